@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Idempotent set-up: a virtual environment in .venv with CPU-or-CUDA torch and zerorun installed.
+# `--system` also installs what the multi-node tests need (openssh-server, iproute2; root only).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if [[ "${1:-}" == "--system" ]]; then
+  need=()
+  [[ -x /usr/sbin/sshd ]] || need+=(openssh-server)
+  command -v ip >/dev/null || need+=(iproute2)
+  command -v ssh-keygen >/dev/null || need+=(openssh-client)
+  if ((${#need[@]})); then
+    if [[ $(id -u) -ne 0 ]]; then
+      echo "bootstrap: need root to install ${need[*]} (multi-node tests)" >&2
+      exit 1
+    fi
+    echo "bootstrap: installing ${need[*]}" >&2
+    DEBIAN_FRONTEND=noninteractive apt-get update -qq >/dev/null
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
+  fi
+fi
+
+PY=${PYTHON:-python3}
+if [[ ! -x .venv/bin/python ]]; then
+  "$PY" -m venv .venv
+fi
+# torch first, pinned: a bare `torch` requirement would pull a multi-GB CUDA build where a
+# CPU wheel is what this machine has.
+if ! .venv/bin/python -c "import torch" 2>/dev/null; then
+  .venv/bin/pip install -q --disable-pip-version-check "torch==2.13.0" numpy
+fi
+stamp=.venv/.zerorun-installed
+if [[ ! -f $stamp ]] || [[ pyproject.toml -nt $stamp ]]; then
+  .venv/bin/pip install -q --disable-pip-version-check -e '.[test]'
+  touch "$stamp"
+fi
