@@ -1,0 +1,202 @@
+"""A full state dict from a sharded checkpoint, streamed one tensor at a time.
+
+Output is what plain PyTorch and Hugging Face loaders read: ``model.safetensors`` (or
+``pytorch_model.bin``) when everything fits in one shard, else numbered shards plus
+``model.safetensors.index.json`` / ``pytorch_model.bin.index.json`` (``weight_map`` and
+``metadata.total_size``). Tied weights are written once, under the first name the module
+registered (what ``named_parameters()`` yields and Hugging Face keeps); the aliases are listed
+in the index's metadata as ``zerorun_tied``.
+
+Memory: safetensors output holds one tensor at a time (the header with every offset is
+computed from the metadata first, then tensors stream in); torch output holds one output
+shard (``torch.save`` cannot stream) plus the tensor being read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from zerorun.errors import CheckpointError
+
+from . import atomic
+from .format import BUFFER, WEIGHT, dtype_from_name
+from .safetensors_stream import StreamWriter, TensorEntry
+from .sharded import resolve_tag
+from .store import CheckpointReader
+
+__all__ = [
+    "OutputTensor",
+    "plan_shards",
+    "shard_names",
+    "write_state_dict",
+    "consolidate",
+    "ConsolidateResult",
+]
+
+FORMATS = ("safetensors", "torch")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class OutputTensor:
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+
+
+def plan_shards(tensors: Sequence[OutputTensor], max_shard_size: int) -> list[list[OutputTensor]]:
+    """Greedy, in order (Hugging Face's rule): a new shard starts when the next tensor would
+    push the current one past `max_shard_size`; a tensor larger than that gets its own shard."""
+    shards: list[list[OutputTensor]] = [[]]
+    size = 0
+    for t in tensors:
+        if shards[-1] and size + t.nbytes > max_shard_size:
+            shards.append([])
+            size = 0
+        shards[-1].append(t)
+        size += t.nbytes
+    return shards if shards[0] else []
+
+
+def shard_names(fmt: str, n: int) -> tuple[list[str], str | None]:
+    """File names for `n` shards, and the index file name (None for a single file)."""
+    base, ext = ("model", "safetensors") if fmt == "safetensors" else ("pytorch_model", "bin")
+    if n <= 1:
+        return [f"{base}.{ext}"], None
+    return [f"{base}-{i + 1:05d}-of-{n:05d}.{ext}" for i in range(n)], f"{base}.{ext}.index.json"
+
+
+def write_state_dict(
+    out_dir: Path,
+    tensors: Sequence[OutputTensor],
+    produce: Callable[[OutputTensor], torch.Tensor],
+    *,
+    fmt: str = "safetensors",
+    max_shard_size: int = 5 * 10**9,
+    tied: dict[str, str] | None = None,
+    single_file: str | None = None,
+) -> list[Path]:
+    """Write tensors (in order) to `out_dir`, calling `produce` for each exactly once, in order.
+
+    `single_file` forces one file of that name (``save_16bit_model``'s behaviour).
+    """
+    if fmt not in FORMATS:
+        raise CheckpointError(f"unknown format {fmt!r}: use one of {', '.join(FORMATS)}")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    shards = [list(tensors)] if single_file else plan_shards(tensors, max_shard_size)
+    names, index_name = ([single_file], None) if single_file else shard_names(fmt, len(shards))
+    written: list[Path] = []
+    weight_map: dict[str, str] = {}
+    for shard, fname in zip(shards, names, strict=True):
+        path = out_dir / fname
+        if fmt == "safetensors":
+            entries = [TensorEntry(t.name, t.dtype, t.shape) for t in shard]
+            with StreamWriter(path, entries, {"format": "pt"}) as w:
+                for t in shard:
+                    w.write(t.name, _checked(produce(t), t))
+        else:
+            sd = {t.name: _checked(produce(t), t).reshape(t.shape) for t in shard}
+            with open(path, "wb") as f:
+                torch.save(sd, f)
+                f.flush()
+                os.fsync(f.fileno())
+            del sd
+        written.append(path)
+        weight_map.update({t.name: fname for t in shard})
+    if index_name is not None:
+        index = {
+            "metadata": {"total_size": sum(t.nbytes for t in tensors), "zerorun_tied": dict(tied or {})},
+            "weight_map": weight_map,
+        }
+        tmp = out_dir / f".{index_name}.tmp"
+        tmp.write_text(json.dumps(index, indent=2))
+        os.replace(tmp, out_dir / index_name)
+        written.append(out_dir / index_name)
+    atomic.fsync_dir(out_dir)
+    return written
+
+
+def _checked(t: torch.Tensor, spec: OutputTensor) -> torch.Tensor:
+    if t.dtype != spec.dtype or t.numel() != spec.numel:
+        raise CheckpointError(f"internal: tensor {spec.name!r} came out as {t.dtype} {list(t.shape)}")
+    return t
+
+
+@dataclass(frozen=True)
+class ConsolidateResult:
+    tag_dir: Path
+    files: list[Path]
+    num_tensors: int
+    total_bytes: int
+    tied: dict[str, str]
+
+
+def consolidate(
+    ckpt_dir: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+    *,
+    tag: str | None = None,
+    dtype: str | None = "fp32",
+    fmt: str = "safetensors",
+    max_shard_size: int = 5 * 10**9,
+) -> ConsolidateResult:
+    """Build a full state dict from a sharded checkpoint (see the module docstring).
+
+    `ckpt_dir` may be the save directory (uses `latest` or `tag`) or a tag directory itself.
+    `dtype`: fp32 | bf16 | fp16 for floating tensors, or None for the dtype the model trained
+    in. Integer buffers keep their dtype.
+    """
+    root = Path(ckpt_dir)
+    if not root.is_dir():
+        raise CheckpointError(f"{root} is not a directory")
+    if (root / "zerorun_checkpoint.json").is_file() and tag is None:
+        tag_dir = root
+    else:
+        resolved = resolve_tag(root, tag)
+        if resolved is None:
+            raise CheckpointError(
+                f"{root} has no 'latest' file and is not a checkpoint tag directory; pass --tag "
+                "or the tag directory itself"
+            )
+        tag_dir = root / resolved
+    if dtype is not None and dtype not in DTYPES:
+        raise CheckpointError(f"unknown dtype {dtype!r}: use one of {', '.join(DTYPES)}")
+    with CheckpointReader(tag_dir) as reader:
+        meta = reader.meta
+        tensors: list[OutputTensor] = []
+        kinds: dict[str, str] = {}
+        for infos, kind in ((meta.params, WEIGHT), (meta.buffers, BUFFER)):
+            for p in infos:
+                trained = dtype_from_name(p.dtype)
+                if trained.is_floating_point:
+                    out = DTYPES[dtype] if dtype is not None else trained
+                else:
+                    out = trained
+                tensors.append(OutputTensor(p.name, p.shape, out))
+                kinds[p.name] = kind
+        files = write_state_dict(
+            Path(out_dir),
+            tensors,
+            lambda t: reader.read_full(t.name, kinds[t.name], dtype=t.dtype),
+            fmt=fmt,
+            max_shard_size=max_shard_size,
+            tied=meta.tied,
+        )
+    return ConsolidateResult(tag_dir, files, len(tensors), sum(t.nbytes for t in tensors), dict(meta.tied))
