@@ -1,0 +1,217 @@
+"""The node agent: `python -m zerorun.launch.agent`, started by the launcher over SSH.
+
+It speaks `launch/wire.py` on its stdin/stdout (the SSH channel) and starts its node's ranks
+with `launch.local.LocalRunner`, the very code that runs one-node jobs: same shim, same
+process groups, same environment layering, same kill sweep. It only adds the channel.
+
+Life and death (the point of having an agent rather than a bare remote command: closing an
+SSH channel without a pty leaves the remote command running):
+- stdin EOF (the launcher died or closed the connection) -> SIGKILL every rank, exit;
+- no message from the launcher for `heartbeat_timeout_s` (a dropped link closes nothing)
+  -> SIGKILL every rank, exit; a rank blocked in a collective would otherwise wait out
+  its process-group timeout;
+- SIGTERM / SIGHUP to the agent -> the same;
+- its stdout (the channel) breaks -> the same.
+Ranks carry the agent's pid as their launcher (`ZERORUN_LAUNCHER_PID`), so the shim's
+parent-death signal ties them to the agent even if it is SIGKILLed.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from dataclasses import replace
+from typing import Any
+
+from zerorun.launch import wire
+
+__all__ = ["main"]
+
+# Before the plan arrives the launcher is still running its preflight on the other nodes.
+_PRE_PLAN_TIMEOUT_S = 120.0
+
+
+class _Channel:
+    """The protocol side of fd 1, written whole lines at a time from several threads."""
+
+    def __init__(self, fd: int, on_broken: Any) -> None:
+        self.fd = fd
+        self.lock = threading.Lock()
+        self.on_broken = on_broken
+
+    def send(self, kind: str, **fields: Any) -> None:
+        data = memoryview(wire.encode(kind, **fields))
+        with self.lock:
+            try:
+                while data:
+                    n = os.write(self.fd, data)
+                    data = data[n:]
+            except OSError:
+                self.on_broken("the channel to the launcher broke")
+
+
+class Agent:
+    def __init__(self, channel_fd: int) -> None:
+        self.channel = _Channel(channel_fd, self.die)
+        self.runner: Any = None
+        self.last_heard = time.monotonic()
+        self.heartbeat_s = 1.0
+        self.heartbeat_timeout_s = _PRE_PLAN_TIMEOUT_S
+        self._dying = threading.Lock()
+
+    # -- death ------------------------------------------------------------------------------
+
+    def die(self, why: str, code: int = 0) -> None:
+        """Kill every rank and exit the process now (from any thread)."""
+        if not self._dying.acquire(blocking=False):
+            return
+        if self.runner is not None:
+            try:
+                self.runner.kill()
+            except Exception as err:  # noqa: BLE001 - exiting anyway
+                print(f"zerorun agent: kill failed: {err}", file=sys.stderr)
+        print(f"zerorun agent on {socket.gethostname()}: {why}", file=sys.stderr, flush=True)
+        os._exit(code)
+
+    def watchdog(self) -> None:
+        while True:
+            time.sleep(min(self.heartbeat_s, 1.0))
+            silent = time.monotonic() - self.last_heard
+            if silent > self.heartbeat_timeout_s:
+                self.die(f"no heartbeat from the launcher for {silent:.1f} s; killed this node's ranks", 3)
+            if self.runner is not None:
+                self.channel.send("hb")
+
+    # -- messages ---------------------------------------------------------------------------
+
+    def handle(self, msg: dict[str, Any]) -> None:
+        kind = msg["t"]
+        if kind == "preflight":
+            self.channel.send("hello", **hello(msg))
+        elif kind == "plan":
+            self.start(msg)
+        elif kind == "signal" and self.runner is not None:
+            self.runner.signal(int(msg["sig"]), tree=bool(msg.get("tree", True)))
+        elif kind == "kill" and self.runner is not None:
+            self.runner.kill()
+
+    def start(self, msg: dict[str, Any]) -> None:
+        from zerorun.errors import ZerorunError
+        from zerorun.launch.local import LocalRunner
+        from zerorun.launch.plan import default_omp_threads
+        from zerorun.launch.supervisor import RankEvent, RankExit, RankOutput, RankStarted
+
+        self.heartbeat_s = float(msg.get("heartbeat_s", 1.0))
+        self.heartbeat_timeout_s = float(msg.get("heartbeat_timeout_s", 10.0))
+        plan = wire.plan_from_dict(msg["plan"])
+        node = plan.nodes[int(msg["node_rank"])]
+        if "OMP_NUM_THREADS" not in os.environ and "OMP_NUM_THREADS" not in node.env:
+            # Only this node knows its cores; the launcher could not fill this in.
+            threads = default_omp_threads(os.cpu_count() or 1, len(node.ranks))
+            plan = replace(plan, omp_threads={**plan.omp_threads, node.node_rank: threads})
+
+        def sink(m: Any) -> None:
+            if isinstance(m, RankOutput):
+                self.channel.send("out", rank=m.rank, stream=m.stream, line=m.text)
+            elif isinstance(m, RankEvent):
+                self.channel.send("event", rank=m.rank, event=dict(m.event))
+            elif isinstance(m, RankStarted):
+                self.channel.send("started", rank=m.rank, pid=m.pid)
+            elif isinstance(m, RankExit):
+                self.channel.send("exit", rank=m.rank, code=m.returncode)
+
+        runner = LocalRunner(plan, node, python=sys.executable, environ=os.environ)
+        self.runner = runner
+        try:
+            runner.start(sink)
+        except ZerorunError as err:
+            self.channel.send("error", message=str(err))
+            self.die(f"could not start the ranks: {err}", 1)
+
+    def serve(self, stdin: Any) -> None:
+        threading.Thread(target=self.watchdog, name="zerorun-agent-watchdog", daemon=True).start()
+        while True:
+            line = stdin.readline()
+            if not line:
+                self.die("the launcher closed the connection; killed this node's ranks")
+            self.last_heard = time.monotonic()
+            msg = wire.decode(line)
+            if msg is not None:
+                self.handle(msg)
+
+
+def hello(msg: dict[str, Any]) -> dict[str, Any]:
+    """The preflight answer: who and where we are, and whether the master port is usable."""
+    import zerorun
+
+    conn = os.environ.get("SSH_CONNECTION", "").split()
+    info: dict[str, Any] = {
+        "version": zerorun.__version__,
+        "protocol": wire.PROTOCOL_VERSION,
+        "python": sys.executable,
+        "hostname": socket.gethostname(),
+        "pid": os.getpid(),
+        "client_addr": conn[0] if len(conn) == 4 else None,
+        "server_addr": conn[2] if len(conn) == 4 else None,
+        "port": None,
+        "error": None,
+    }
+    port = msg.get("check_port")
+    if msg.get("pick_port"):
+        info["port"] = _free_port()
+    elif port is not None:
+        if _port_in_use(int(port)):
+            info["error"] = (
+                f"master port {port} is already in use there (another job?). Pick another with "
+                "--master_port, or leave it out to have a free one chosen."
+            )
+        info["port"] = int(port)
+    return info
+
+
+def _port_in_use(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        # SO_REUSEADDR, as the rendezvous store sets it: a port in TIME_WAIT is usable,
+        # one with a listener is not.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("", port))
+        except OSError:
+            return True
+    return False
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
+
+
+def _become_subreaper() -> None:
+    # Orphaned grandchildren of ranks come back to the agent, so LocalRunner reaps them.
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+    except (OSError, AttributeError):
+        pass
+
+
+def main() -> None:
+    # fd 1 is the channel: keep a private copy for the protocol and point fd 1 at stderr, so a
+    # stray print or warning can never corrupt a message.
+    channel_fd = os.dup(1)
+    os.dup2(2, 1)
+    agent = Agent(channel_fd)
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+        signal.signal(sig, lambda signum, _f: agent.die(f"got {signal.Signals(signum).name}; killed this node's ranks"))
+    _become_subreaper()
+    agent.serve(sys.stdin.buffer)
+
+
+if __name__ == "__main__":
+    main()

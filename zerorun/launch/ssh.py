@@ -1,0 +1,658 @@
+"""SSH to the nodes of a job: connections, host-key checks, ~/.ssh/config, the preflight.
+
+paramiko is imported lazily, inside the functions that connect: one-node runs and machines
+without paramiko never load it.
+
+One connection per node, opened in parallel. On each, one exec channel runs the node agent
+(`python -m zerorun.launch.agent`, see `launch/agent.py`, protocol in `launch/wire.py`); the
+same channel carries the preflight, the plan, the ranks' output and events, and heartbeats.
+The remote command is built from `shlex.quote`d pieces only (remote cwd, interpreter path):
+a hostile host name or argument never reaches a shell unquoted, and everything else travels
+as JSON on stdin.
+
+Security: host keys are checked against the system and user known_hosts files (and
+`UserKnownHostsFile` from ~/.ssh/config). An unknown key is an error unless
+`accept_new_hosts` (trust on first use, like OpenSSH's `StrictHostKeyChecking accept-new`,
+the key is then saved to ~/.ssh/known_hosts); a changed key is always an error.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import shlex
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from zerorun.errors import LaunchError
+from zerorun.launch import wire
+
+if TYPE_CHECKING:  # pragma: no cover
+    import paramiko
+
+__all__ = [
+    "SshOptions",
+    "SshTarget",
+    "NodeChannel",
+    "Preflight",
+    "resolve_target",
+    "connect_nodes",
+    "preflight",
+    "agent_command",
+    "SshRunner",
+    "prepare",
+    "runners_for",
+    "ssh_options_from",
+]
+
+DEFAULT_CONNECT_TIMEOUT_S = 10.0
+_known_hosts_lock = threading.Lock()
+
+
+@dataclass(frozen=True)
+class SshOptions:
+    """How to reach the nodes and run the agent there; built by the CLI from its options."""
+
+    remote_python: str | None = None  # default: the launcher's sys.executable
+    remote_cwd: str | None = None  # default: the launcher's cwd
+    accept_new_hosts: bool = False
+    connect_timeout: float | None = None  # default: ConnectTimeout from ~/.ssh/config, else 10 s
+    heartbeat_s: float = 1.0
+    heartbeat_timeout_s: float = 10.0
+    ssh_config: str | None = None  # default: ~/.ssh/config
+    preflight_timeout_s: float = 30.0
+
+
+@dataclass(frozen=True)
+class SshTarget:
+    """Where an ssh alias really points, after ~/.ssh/config."""
+
+    alias: str
+    hostname: str
+    port: int
+    user: str
+    identity_files: tuple[str, ...]
+    connect_timeout: float
+    proxy_command: str | None = None
+    known_hosts_files: tuple[str, ...] = ()
+
+    @property
+    def display(self) -> str:
+        where = self.hostname if self.port == 22 else f"{self.hostname}:{self.port}"
+        return self.alias if where == self.alias else f"{self.alias} ({where})"
+
+    @property
+    def known_hosts_name(self) -> str:
+        return self.hostname if self.port == 22 else f"[{self.hostname}]:{self.port}"
+
+
+def resolve_target(alias: str, options: SshOptions) -> SshTarget:
+    """Apply ~/.ssh/config (HostName, Port, User, IdentityFile, ConnectTimeout, ProxyCommand,
+    UserKnownHostsFile) the way `ssh ALIAS` would."""
+    import paramiko
+
+    path = Path(options.ssh_config or "~/.ssh/config").expanduser()
+    cfg: dict[str, Any] = {}
+    if path.is_file():
+        try:
+            cfg = dict(paramiko.SSHConfig.from_path(str(path)).lookup(alias))
+        except Exception as err:  # paramiko raises several types for a bad file
+            raise LaunchError(f"cannot read ssh config {path}: {err}") from err
+    try:
+        port = int(cfg.get("port", 22))
+    except ValueError:
+        raise LaunchError(f"{path}: Port {cfg.get('port')!r} for host {alias} is not a number.") from None
+    timeout = options.connect_timeout
+    if timeout is None:
+        timeout = float(cfg["connecttimeout"]) if "connecttimeout" in cfg else DEFAULT_CONNECT_TIMEOUT_S
+    user_known = cfg.get("userknownhostsfile")
+    known = tuple(os.path.expanduser(p) for p in user_known.split()) if user_known else ()
+    return SshTarget(
+        alias=alias,
+        hostname=cfg.get("hostname", alias),
+        port=port,
+        user=cfg.get("user") or _local_user(),
+        identity_files=tuple(os.path.expanduser(p) for p in cfg.get("identityfile", [])),
+        connect_timeout=timeout,
+        proxy_command=cfg.get("proxycommand"),
+        known_hosts_files=known,
+    )
+
+
+def _local_user() -> str:
+    import getpass
+
+    return getpass.getuser()
+
+
+def _client_for(target: SshTarget, options: SshOptions) -> paramiko.SSHClient:
+    import paramiko
+
+    client = paramiko.SSHClient()
+    client.load_system_host_keys()  # ~/.ssh/known_hosts
+    # More files go into the client's own set; paramiko checks both sets and, with our
+    # policies, never writes either back.
+    extra = ("/etc/ssh/ssh_known_hosts", "/etc/ssh/ssh_known_hosts2", *target.known_hosts_files)
+    for path in extra:
+        if os.path.isfile(path):
+            try:
+                client.get_host_keys().load(path)
+            except OSError as err:
+                raise LaunchError(f"cannot read known_hosts file {path}: {err}") from err
+    client.set_missing_host_key_policy(_AcceptNewPolicy() if options.accept_new_hosts else _RejectPolicy(target))
+    return client
+
+
+class _RejectPolicy:
+    """Unknown host key -> a LaunchError that says how to accept it."""
+
+    def __init__(self, target: SshTarget) -> None:
+        self.target = target
+
+    def missing_host_key(self, client: Any, hostname: str, key: Any) -> None:
+        t = self.target
+        port_opt = "" if t.port == 22 else f"-p {t.port} "
+        raise LaunchError(
+            f"host key of {t.display} is not in known_hosts ({key.get_name()} "
+            f"{key.fingerprint if hasattr(key, 'fingerprint') else ''}). Check the key with the "
+            f"node's administrator, then add it: `ssh-keyscan {port_opt}{t.hostname} >> ~/.ssh/known_hosts` "
+            f"(or connect once with `ssh {t.alias}`), or pass --ssh-accept-new-hosts to trust "
+            "new hosts on first use."
+        )
+
+
+class _AcceptNewPolicy:
+    """Trust on first use: remember the key in ~/.ssh/known_hosts (a changed key still fails,
+    paramiko raises BadHostKeyException before consulting a policy)."""
+
+    def missing_host_key(self, client: Any, hostname: str, key: Any) -> None:
+        path = Path("~/.ssh/known_hosts").expanduser()
+        line = f"{hostname} {key.get_name()} {key.get_base64()}\n"
+        with _known_hosts_lock:
+            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            with os.fdopen(fd, "a") as fh:
+                fh.write(line)
+
+
+def _connect_one(alias: str, options: SshOptions) -> tuple[SshTarget, paramiko.SSHClient]:
+    import paramiko
+
+    target = resolve_target(alias, options)
+    client = _client_for(target, options)
+    sock = paramiko.ProxyCommand(target.proxy_command) if target.proxy_command else None
+    try:
+        client.connect(
+            target.hostname,
+            port=target.port,
+            username=target.user,
+            key_filename=list(target.identity_files) or None,
+            timeout=target.connect_timeout,
+            banner_timeout=target.connect_timeout,
+            auth_timeout=target.connect_timeout,
+            sock=sock,
+        )
+    except LaunchError:
+        client.close()
+        raise
+    except paramiko.BadHostKeyException as err:
+        client.close()
+        raise LaunchError(
+            f"host key of {target.display} has CHANGED since it was recorded in known_hosts: "
+            "this can be a man-in-the-middle attack, or the node was reinstalled. After checking "
+            f"with its administrator, remove the old key (`ssh-keygen -R '{target.known_hosts_name}'`) "
+            f"and add the new one. Expected {err.expected_key.get_name()}, got {err.key.get_name()}."
+        ) from None
+    except paramiko.AuthenticationException as err:
+        client.close()
+        raise LaunchError(
+            f"cannot log in to {target.display} as {target.user}: {err}. zerorun uses your ssh "
+            "keys and agent (no passwords): check that `ssh -o BatchMode=yes "
+            f"{target.alias} true` works, and User/IdentityFile in ~/.ssh/config."
+        ) from None
+    except TimeoutError:
+        client.close()
+        raise LaunchError(
+            f"cannot reach {target.display}: no answer within {target.connect_timeout:g} s. "
+            "Check the name/address in the hostfile and that sshd runs there."
+        ) from None
+    except (OSError, paramiko.SSHException) as err:
+        client.close()
+        raise LaunchError(f"cannot connect to {target.display}: {err}") from None
+    return target, client
+
+
+def connect_nodes(
+    aliases: Sequence[str], options: SshOptions
+) -> dict[str, tuple[SshTarget, paramiko.SSHClient]]:
+    """Connect to every node in parallel; any failure closes them all and raises one
+    LaunchError naming every host that failed."""
+    results: dict[str, tuple[SshTarget, paramiko.SSHClient]] = {}
+    errors: dict[str, str] = {}
+    with ThreadPoolExecutor(max_workers=min(32, max(1, len(aliases)))) as pool:
+        futures = {alias: pool.submit(_connect_one, alias, options) for alias in aliases}
+        for alias, fut in futures.items():
+            try:
+                results[alias] = fut.result()
+            except LaunchError as err:
+                errors[alias] = str(err)
+            except Exception as err:  # noqa: BLE001 - one bad host must not hide the others
+                errors[alias] = f"cannot connect to {alias}: {type(err).__name__}: {err}"
+    if errors:
+        for _, client in results.values():
+            client.close()
+        raise LaunchError(_many("SSH", errors) + " Nothing was started.")
+    return results
+
+
+def _many(what: str, errors: dict[str, str]) -> str:
+    if len(errors) == 1:
+        return next(iter(errors.values()))
+    return f"{what} failed on {len(errors)} nodes:\n" + "\n".join(f"  - {e}" for e in errors.values())
+
+
+def agent_command(python: str, cwd: str) -> str:
+    """The one command line sent to sshd: every piece quoted, the rest goes over stdin."""
+    return f"cd -- {shlex.quote(cwd)} && exec {shlex.quote(python)} -u -m zerorun.launch.agent"
+
+
+class NodeChannel:
+    """The agent's exec channel on one node: message reader thread, writer, heartbeats."""
+
+    def __init__(self, alias: str, target: SshTarget, client: paramiko.SSHClient, command: str) -> None:
+        self.alias = alias
+        self.target = target
+        self.client = client
+        transport = client.get_transport()
+        if transport is None:  # pragma: no cover - connect() succeeded
+            raise LaunchError(f"SSH connection to {target.display} closed")
+        self.channel = transport.open_session()
+        self.channel.exec_command(command)
+        self.messages: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        self.stderr_tail: list[str] = []
+        self.last_heard = time.monotonic()
+        self._send_lock = threading.Lock()
+        self._closed = threading.Event()
+        self._reader = threading.Thread(target=self._read, name=f"ssh-read-{alias}", daemon=True)
+        self._reader.start()
+        self._err_reader = threading.Thread(target=self._read_stderr, name=f"ssh-err-{alias}", daemon=True)
+        self._err_reader.start()
+
+    def _lines(self, recv: Callable[[int], bytes]) -> Iterator[bytes]:
+        buf = b""
+        while True:
+            try:
+                chunk = recv(65536)
+            except OSError:
+                chunk = b""
+            if not chunk:
+                if buf:
+                    yield buf
+                return
+            buf += chunk
+            *lines, buf = buf.split(b"\n")
+            yield from lines
+
+    def _read(self) -> None:
+        for line in self._lines(self.channel.recv):
+            self.last_heard = time.monotonic()
+            msg = wire.decode(line)
+            if msg is None:
+                # A login banner or a Python error before the agent started: keep it for messages.
+                text = line.decode("utf-8", "replace").rstrip()
+                if text:
+                    self._keep_stderr(text)
+                continue
+            self.messages.put(msg)
+        self.messages.put(None)  # end of stream
+
+    def _read_stderr(self) -> None:
+        for line in self._lines(self.channel.recv_stderr):
+            text = line.decode("utf-8", "replace").rstrip()
+            if text:
+                self._keep_stderr(text)
+
+    def _keep_stderr(self, text: str) -> None:
+        self.stderr_tail.append(text)
+        del self.stderr_tail[:-40]
+
+    def send(self, kind: str, **fields: Any) -> bool:
+        """False when the channel is gone (the caller reports the node)."""
+        data = wire.encode(kind, **fields)
+        with self._send_lock:
+            if self._closed.is_set():
+                return False
+            try:
+                self.channel.sendall(data)
+                return True
+            except (OSError, EOFError):
+                return False
+            except Exception:  # noqa: BLE001 - paramiko raises SSHException on a dead transport
+                return False
+
+    def exit_status(self, timeout: float = 2.0) -> int | None:
+        if self.channel.exit_status_ready() or self._wait_exit(timeout):
+            return self.channel.recv_exit_status()
+        return None
+
+    def _wait_exit(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.channel.exit_status_ready():
+                return True
+            time.sleep(0.02)
+        return False
+
+    def close(self) -> None:
+        """Close stdin (the agent kills its ranks on EOF), then the connection."""
+        with self._send_lock:
+            if self._closed.is_set():
+                return
+            self._closed.set()
+        try:
+            self.channel.shutdown_write()
+        except Exception:  # noqa: BLE001, S110 - already gone
+            pass
+        self.client.close()
+
+
+@dataclass
+class Preflight:
+    """What the preflight learned: the channels (agents waiting for their plan) and the
+    master address/port the ranks will use."""
+
+    channels: dict[str, NodeChannel]
+    hellos: dict[str, dict[str, Any]]
+    master_addr: str
+    master_port: int
+    python: str
+    cwd: str
+    notes: list[str] = field(default_factory=list)
+
+    def close(self) -> None:
+        for ch in self.channels.values():
+            ch.close()
+
+
+def preflight(
+    aliases: Sequence[str],
+    options: SshOptions,
+    *,
+    master: str | None,
+    master_port: int | None,
+    master_addr: str | None = None,
+    local_port_check: Callable[[int], str | None] | None = None,
+) -> Preflight:
+    """Before any rank starts anywhere: every node reachable and authenticated, the remote
+    interpreter runs and imports the same zerorun, the remote cwd exists, the master port is
+    free on the master (or picked there when not given). Any failure closes everything and
+    raises one LaunchError naming the hosts.
+
+    `master` is the alias of the master node when it is remote (None: the launcher's machine
+    is the master, and `local_port_check` checks the port here). `master_addr` overrides the
+    address the ranks use to reach it.
+    """
+    import sys
+
+    import zerorun
+
+    python = options.remote_python or sys.executable
+    cwd = options.remote_cwd or os.getcwd()
+    connections = connect_nodes(aliases, options)
+    command = agent_command(python, cwd)
+    channels: dict[str, NodeChannel] = {}
+    try:
+        for alias, (target, client) in connections.items():
+            channels[alias] = NodeChannel(alias, target, client, command)
+        for alias, ch in channels.items():
+            is_master = alias == master
+            ch.send(
+                "preflight",
+                version=zerorun.__version__,
+                protocol=wire.PROTOCOL_VERSION,
+                check_port=master_port if is_master else None,
+                pick_port=is_master and master_port is None,
+            )
+        hellos, errors = _collect_hellos(channels, python, cwd, zerorun.__version__, options.preflight_timeout_s)
+        if errors:
+            raise LaunchError(_many("The preflight", errors) + " Nothing was started.")
+        if master is not None:
+            hello = hellos[master]
+            port = int(hello["port"])
+            addr = master_addr or hello.get("server_addr") or channels[master].target.hostname
+        else:
+            if master_port is None:
+                raise LaunchError("internal: a local master needs its port chosen before the preflight")
+            problem = local_port_check(master_port) if local_port_check else None
+            if problem:
+                raise LaunchError(problem)
+            port = master_port
+            # The launcher's address as the remote nodes see it (they all reached us on it).
+            seen = {h.get("client_addr") for h in hellos.values() if h.get("client_addr")}
+            addr = master_addr or (seen.pop() if len(seen) == 1 else "")
+            if not addr:
+                raise LaunchError(
+                    "this machine is the master, but the nodes reach it at different addresses "
+                    f"({', '.join(sorted(str(s) for s in seen))}); pass --master_addr with the one every node can reach."
+                )
+        return Preflight(channels, hellos, addr, port, python, cwd)
+    except BaseException:
+        for ch in channels.values():
+            ch.close()
+        for _, client in connections.values():
+            client.close()
+        raise
+
+
+def _collect_hellos(
+    channels: dict[str, NodeChannel], python: str, cwd: str, version: str, timeout: float
+) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
+    hellos: dict[str, dict[str, Any]] = {}
+    errors: dict[str, str] = {}
+    deadline = time.monotonic() + timeout
+    for alias, ch in channels.items():
+        where = ch.target.display
+        msg: dict[str, Any] | None = None
+        while True:
+            try:
+                msg = ch.messages.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                errors[alias] = f"{where}: the node agent did not answer within {timeout:g} s."
+                break
+            if msg is None or msg.get("t") == "hello":
+                break
+        if alias in errors:
+            continue
+        if msg is None:
+            errors[alias] = _explain_early_exit(ch, python, cwd)
+            continue
+        if msg.get("version") != version or msg.get("protocol") != wire.PROTOCOL_VERSION:
+            errors[alias] = (
+                f"{where}: {python} there imports zerorun {msg.get('version')}, this launcher is "
+                f"zerorun {version}. Install the same version on every node (or point "
+                "--remote_python at an environment that has it)."
+            )
+        elif msg.get("error"):
+            errors[alias] = f"{where}: {msg['error']}"
+        else:
+            hellos[alias] = msg
+    return hellos, errors
+
+
+def _explain_early_exit(ch: NodeChannel, python: str, cwd: str) -> str:
+    code = ch.exit_status()
+    tail = "\n".join(ch.stderr_tail[-8:])
+    where = ch.target.display
+    if "No module named" in tail and "zerorun" in tail:
+        return (
+            f"{where}: {python} there cannot import zerorun. Install zerorun on every node "
+            "(or point --remote_python at an environment that has it)."
+        )
+    if code == 127 or "No such file or directory" in tail and python in tail:
+        return (
+            f"{where}: the remote interpreter {python} does not exist there. Pass "
+            "--remote_python with the python that has zerorun installed on the nodes."
+        )
+    if "cd:" in tail or cwd in tail:
+        return (
+            f"{where}: cannot enter the working directory {cwd} there. Pass --remote_cwd with a "
+            "directory that exists on every node (the script's path is resolved from it)."
+        )
+    detail = f": {tail}" if tail else ""
+    return f"{where}: the node agent exited with status {code} before answering{detail}"
+
+
+# --- the remote node runner (Contract 5) ------------------------------------------------------
+
+
+class SshRunner:
+    """A `NodeRunner` for one remote node: drives that node's agent over its channel."""
+
+    def __init__(self, plan: Any, node: Any, channel: NodeChannel, options: SshOptions) -> None:
+        self.plan = plan
+        self.node = node
+        self.channel = channel
+        self.options = options
+        self._exited: set[int] = set()
+        self._lost = False
+        self._done = threading.Event()
+        self._sink: Callable[[Any], None] | None = None
+
+    def start(self, sink: Callable[[Any], None]) -> None:
+        self._sink = sink
+        sent = self.channel.send(
+            "plan",
+            plan=wire.plan_to_dict(self.plan),
+            node_rank=self.node.node_rank,
+            heartbeat_s=self.options.heartbeat_s,
+            heartbeat_timeout_s=self.options.heartbeat_timeout_s,
+        )
+        if not sent:
+            raise LaunchError(f"the SSH connection to {self.channel.target.display} closed before the job started")
+        self.channel.last_heard = time.monotonic()
+        threading.Thread(target=self._pump, name=f"ssh-pump-{self.channel.alias}", daemon=True).start()
+        threading.Thread(target=self._heartbeat, name=f"ssh-hb-{self.channel.alias}", daemon=True).start()
+
+    def _pump(self) -> None:
+        from zerorun.launch.supervisor import RankEvent, RankExit, RankOutput, RankStarted
+
+        assert self._sink is not None
+        while True:
+            msg = self.channel.messages.get()
+            if msg is None:
+                break
+            kind = msg.get("t")
+            if kind == "out":
+                self._sink(RankOutput(int(msg["rank"]), msg["stream"], str(msg["line"])))
+            elif kind == "event" and isinstance(msg.get("event"), dict):
+                self._sink(RankEvent(int(msg["rank"]), msg["event"]))
+            elif kind == "started":
+                self._sink(RankStarted(int(msg["rank"]), int(msg["pid"])))
+            elif kind == "exit":
+                self._exited.add(int(msg["rank"]))
+                self._sink(RankExit(int(msg["rank"]), int(msg["code"])))
+            elif kind == "error":
+                self.channel._keep_stderr(str(msg.get("message")))  # noqa: SLF001
+        if len(self._exited) < len(self.node.ranks):
+            tail = "; ".join(self.channel.stderr_tail[-3:])
+            self._lose(f"the SSH connection to {self.channel.target.display} closed" + (f" ({tail})" if tail else ""))
+        self._done.set()
+
+    def _heartbeat(self) -> None:
+        while not self._done.wait(self.options.heartbeat_s):
+            silent = time.monotonic() - self.channel.last_heard
+            if silent > self.options.heartbeat_timeout_s:
+                self._lose(
+                    f"{self.channel.target.display} is unreachable: no heartbeat from its agent for "
+                    f"{silent:.0f} s (network down or node frozen)"
+                )
+                self.channel.close()
+                return
+            if not self.channel.send("hb") and not self._done.is_set():
+                self._lose(f"the SSH connection to {self.channel.target.display} broke")
+                return
+
+    def _lose(self, reason: str) -> None:
+        from zerorun.launch.supervisor import NodeLost
+
+        if self._lost or self._sink is None or len(self._exited) == len(self.node.ranks):
+            return
+        self._lost = True
+        self._sink(NodeLost(self.node.node_rank, reason))
+
+    def signal(self, sig: int, *, tree: bool = True) -> None:
+        self.channel.send("signal", sig=int(sig), tree=tree)
+
+    def kill(self) -> None:
+        self.channel.send("kill")
+
+    def close(self) -> None:
+        # Give the agent a moment to report the exits of a kill() just sent.
+        if len(self._exited) < len(self.node.ranks) and not self._lost:
+            self._done.wait(2.0)
+        self._done.set()
+        self.channel.close()  # EOF on the agent's stdin: it kills whatever is left and exits
+
+
+def ssh_options_from(options: Any) -> SshOptions:
+    """The SSH part of `launch.plan.LaunchOptions` (+ ZERORUN_SSH_HEARTBEAT_TIMEOUT)."""
+    timeout = float(os.environ.get("ZERORUN_SSH_HEARTBEAT_TIMEOUT", SshOptions.heartbeat_timeout_s))
+    return SshOptions(
+        remote_python=options.remote_python,
+        remote_cwd=options.remote_cwd,
+        accept_new_hosts=bool(options.ssh_accept_new_hosts),
+        heartbeat_timeout_s=timeout,
+    )
+
+
+def prepare(plan: Any, options: Any, *, ssh: SshOptions | None = None) -> tuple[Any, list[Any]]:
+    """Preflight every remote node of `plan`, then return the plan with the master address and
+    port the ranks must use, and one runner per node (LocalRunner for this machine's node).
+
+    Nothing starts before every node passed; a failure raises LaunchError naming the hosts.
+    """
+    from zerorun.launch.local import LocalRunner
+
+    ssh = ssh or ssh_options_from(options)
+    remote = [n for n in plan.nodes if not n.is_local]
+    if not remote:
+        return plan, [LocalRunner(plan, node) for node in plan.nodes]
+    master_node = plan.nodes[0]
+    master = None if master_node.is_local else master_node.host.name
+    pf = preflight(
+        [n.host.name for n in remote],
+        ssh,
+        master=master,
+        master_port=options.master_port if master is not None else plan.master_port,
+        master_addr=options.master_addr,
+    )
+    try:
+        plan = plan.with_master(pf.master_addr, pf.master_port)
+        plan = _with_cwd(plan, pf.cwd)
+        runners: list[Any] = []
+        for node in plan.nodes:
+            if node.is_local:
+                runners.append(LocalRunner(plan, node))
+            else:
+                runners.append(SshRunner(plan, node, pf.channels[node.host.name], ssh))
+        return plan, runners
+    except BaseException:
+        pf.close()
+        raise
+
+
+def _with_cwd(plan: Any, cwd: str) -> Any:
+    from dataclasses import replace
+
+    return replace(plan, cwd=cwd)
+
+
+def runners_for(plan: Any, options: Any) -> list[Any]:
+    """Contract 5 entry point; prefer `prepare`, which also returns the plan with the master
+    address the preflight found (for the console and summary)."""
+    return prepare(plan, options)[1]

@@ -1,0 +1,88 @@
+"""The launcher <-> node agent protocol: one JSON object per line over the SSH channel.
+
+Stdlib only (the agent imports it on every node). The agent reads its stdin and writes its
+stdout; the launcher holds the other ends of the SSH channel. Nothing travels on the command
+line: no quoting problems, nothing readable in `ps`.
+
+launcher -> agent (`t` is the message type):
+- `preflight` {version, check_port: int|null, pick_port: bool}: answered by `hello`.
+- `plan` {cwd, ranks: [{rank, local_rank, argv, env}], heartbeat_s, heartbeat_timeout_s,
+  grace_s, omp_cores_default: bool}: start the node's ranks.
+- `hb` {}: the launcher is alive. No `hb` for `heartbeat_timeout_s` -> the agent kills its ranks.
+- `stop` {grace_s}: SIGTERM every rank, SIGKILL after grace.
+- `signal` {sig}: send a signal to every rank's process group (SIGUSR1: stack dumps).
+- EOF on stdin: the launcher is gone -> kill every rank at once.
+
+agent -> launcher:
+- `hello` {version, python, hostname, pid, server_addr, client_addr, port, error}:
+  `server_addr` is the address the launcher reached this node at (from SSH_CONNECTION),
+  `client_addr` the launcher's address as this node sees it; `port` the master port checked
+  free (or picked), `error` a preflight problem on this node (port busy, cwd missing, ...).
+- `started` {rank, pid}; `out` {rank, stream: "stdout"|"stderr", line}; `event` {rank, event};
+  `exit` {rank, code} (negative: killed by that signal, as in subprocess); `hb` {};
+  `error` {message}: the agent itself failed (cannot start a rank, bad plan).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+__all__ = ["PROTOCOL_VERSION", "encode", "decode", "plan_to_dict", "plan_from_dict"]
+
+# Bumped when a message changes meaning; the preflight refuses a mismatch.
+PROTOCOL_VERSION = 1
+
+
+def encode(kind: str, **fields: Any) -> bytes:
+    return (json.dumps({"t": kind, **fields}, separators=(",", ":"), default=str) + "\n").encode("utf-8")
+
+
+def decode(line: bytes | str) -> dict[str, Any] | None:
+    """One line -> message, or None when the line is not a protocol message (e.g. a banner a
+    login script printed before the agent started)."""
+    try:
+        msg = json.loads(line)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    if not isinstance(msg, dict) or not isinstance(msg.get("t"), str):
+        return None
+    return msg
+
+
+# --- the plan on the wire -------------------------------------------------------------------
+# The agent rebuilds the launcher's LaunchPlan and hands it to `launch.local.LocalRunner`, so
+# a remote node starts ranks with exactly the code (and environment layering) of a local one.
+# Fields a newer plan has and this side does not know are dropped; missing ones take their
+# defaults, so the codec survives additive changes to the plan's dataclasses.
+
+
+def plan_to_dict(plan: Any) -> dict[str, Any]:
+    import dataclasses
+
+    data = dataclasses.asdict(plan)
+    data["omp_threads"] = {str(k): v for k, v in dict(plan.omp_threads).items()}
+    return data
+
+
+def plan_from_dict(data: dict[str, Any]) -> Any:
+    import dataclasses
+
+    from zerorun.launch.hosts import Host
+    from zerorun.launch.plan import LaunchPlan, NodePlan, RankSpec, Target
+
+    def build(cls: Any, values: dict[str, Any], **override: Any) -> Any:
+        names = {f.name for f in dataclasses.fields(cls)}
+        kwargs = {k: v for k, v in values.items() if k in names}
+        kwargs.update(override)
+        return cls(**kwargs)
+
+    nodes = []
+    for n in data["nodes"]:
+        host = build(Host, n["host"], slots=tuple(n["host"]["slots"]), env=dict(n["host"].get("env", {})))
+        ranks = tuple(build(RankSpec, r) for r in n["ranks"])
+        visible = tuple(n["visible_devices"]) if n.get("visible_devices") is not None else None
+        nodes.append(build(NodePlan, n, host=host, ranks=ranks, visible_devices=visible, env=dict(n.get("env", {}))))
+    target = build(Target, data["target"], args=tuple(data["target"].get("args", ())))
+    omp = {int(k): int(v) for k, v in data.get("omp_threads", {}).items()}
+    return build(LaunchPlan, data, nodes=tuple(nodes), target=target, omp_threads=omp)
