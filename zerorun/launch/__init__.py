@@ -1,3 +1,2 @@
-"""Starting and supervising jobs: hosts, plan, local and SSH node runners, console.
-
-Imports nothing, so `import zerorun.launch.events` from a rank stays cheap."""
+"""Launching jobs: hosts, plan, runners, supervisor, console. Imports nothing, so that
+`import zerorun.launch.events` from a rank stays cheap."""

@@ -36,6 +36,11 @@ __all__ = [
     "parse_rank_filter",
     "default_omp_threads",
     "new_run_id",
+    "DeviceInfo",
+    "local_slot_count",
+    "is_python_file",
+    "config_json_of",
+    "find_config_argument",
 ]
 
 Device = Literal["auto", "cuda", "cpu"]
@@ -74,15 +79,15 @@ class LaunchOptions:
     num_gpus: int | None = None
     include: str | None = None
     exclude: str | None = None
-    device: Device = "auto"
-    ranks_per_gpu: int = 1
+    device: Device | None = None  # None: auto
+    ranks_per_gpu: int | None = None
     master_addr: str | None = None
     master_port: int | None = None
     config: str | None = None
     log_dir: str | None = None
     dry_run: bool = False
     ranks: str | None = None  # console filter, e.g. "0" or "0,2-3"
-    pg_timeout: float = DEFAULT_PG_TIMEOUT_S
+    pg_timeout: float | None = None
     grace_period: float = DEFAULT_GRACE_S
     hang_timeout: float | None = None
     # multi-node
@@ -93,6 +98,30 @@ class LaunchOptions:
     remote_cwd: str | None = None
     env: tuple[str, ...] = ()  # --env KEY=VAL / KEY, verbatim
     run_id: str | None = None
+
+    # Fields the config's `launcher:` section may fill when the command line left them out.
+    MERGEABLE = (
+        "num_gpus", "num_nodes", "hostfile", "include", "exclude", "master_addr", "master_port",
+        "device", "ranks_per_gpu", "pg_timeout", "hang_timeout", "log_dir",
+    )
+
+    def merged(self, section: Mapping[str, object], *, base_dir: Path | None = None) -> LaunchOptions:
+        """Fill what the command line left out from the config's `launcher:` section (only the
+        keys the user set there). A relative `hostfile`/`log_dir` there is relative to the
+        config file, as the schema documents."""
+        updates: dict[str, object] = {}
+        for name in self.MERGEABLE:
+            value = section.get(name)
+            if value is None or getattr(self, name) is not None:
+                continue
+            if name in ("hostfile", "log_dir") and base_dir is not None:
+                value = str(base_dir / Path(str(value)).expanduser())
+            updates[name] = value
+        return replace(self, **updates)  # type: ignore[arg-type]
+
+    @property
+    def k(self) -> int:
+        return self.ranks_per_gpu or 1
 
 
 @dataclass(frozen=True)
@@ -277,7 +306,7 @@ def build_plan(
 ) -> LaunchPlan:
     """Pure: options + selected hosts (slots already narrowed by include/exclude/num_nodes)
     + this machine's devices -> the plan. Raises LaunchError for impossible requests."""
-    k = options.ranks_per_gpu
+    k = options.k
     if k < 1:
         raise LaunchError(f"--ranks_per_gpu must be at least 1 (got {k}).")
     device = _resolve_device(options, devices)
@@ -321,7 +350,7 @@ def build_plan(
         device=device,
         backend=backend,
         ranks_per_gpu=k,
-        pg_timeout=options.pg_timeout,
+        pg_timeout=options.pg_timeout or DEFAULT_PG_TIMEOUT_S,
         target=options.target,
         config_path=config_path,
         config_json=config_json,
@@ -334,11 +363,11 @@ def local_slot_count(options: LaunchOptions, devices: DeviceInfo) -> int:
     """How many slots `localhost` offers: its visible GPUs, or (CPU) the ranks asked for."""
     device = _resolve_device(options, devices)
     if device == "cuda":
-        if options.num_gpus is not None and options.num_gpus > len(devices.gpus) * options.ranks_per_gpu:
-            per = f" x --ranks_per_gpu {options.ranks_per_gpu}" if options.ranks_per_gpu > 1 else ""
+        if options.num_gpus is not None and options.num_gpus > len(devices.gpus) * options.k:
+            per = f" x --ranks_per_gpu {options.k}" if options.k > 1 else ""
             raise LaunchError(
                 f"--num_gpus {options.num_gpus} asks for more ranks than this machine has: "
-                f"{len(devices.gpus)} visible GPU(s){per} = {len(devices.gpus) * options.ranks_per_gpu}"
+                f"{len(devices.gpus)} visible GPU(s){per} = {len(devices.gpus) * options.k}"
                 f"{_cvd_note(devices)}. Lower --num_gpus, or use --device cpu for CPU ranks."
             )
         return len(devices.gpus)
@@ -393,3 +422,38 @@ def _has_python_shebang(path: Path) -> bool:
     except OSError:
         return False
     return first.startswith(b"#!") and b"python" in first
+
+
+# Script arguments that carry a DeepSpeed config (`train.py --deepspeed ds.json`): the launcher
+# validates that file too, and passes the argument on unchanged.
+CONFIG_ARGUMENTS = ("--deepspeed_config", "--deepspeed-config", "--deepspeed", "--config")
+_CONFIG_SUFFIXES = (".json", ".yaml", ".yml")
+
+
+def find_config_argument(args: Sequence[str]) -> tuple[str, str] | None:
+    """(flag, path) of the first config argument of the script, or None.
+
+    `--deepspeed` is also a plain switch in DeepSpeed's own argument parser (with the file in
+    `--deepspeed_config`), so a value counts only when it looks like a config file: no
+    leading '-', and an existing file or a .json/.yaml/.yml name.
+    """
+    found: dict[str, str] = {}
+    for i, arg in enumerate(args):
+        if arg == "--":
+            break
+        name, eq, value = arg.partition("=")
+        if name not in CONFIG_ARGUMENTS or name in found:
+            continue
+        if not eq:
+            if i + 1 >= len(args):
+                continue
+            value = args[i + 1]
+        if not value or value.startswith("-"):
+            continue
+        if not (value.endswith(_CONFIG_SUFFIXES) or Path(value).is_file()):
+            continue
+        found[name] = value
+    for name in CONFIG_ARGUMENTS:
+        if name in found:
+            return name, found[name]
+    return None

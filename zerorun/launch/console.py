@@ -1,0 +1,294 @@
+"""What the launcher shows: rank output with prefixes, a live per-rank panel, the end summary.
+
+Rendering only; the supervisor owns the state. Two implementations of one interface
+(`supervisor.Console`):
+- `PlainConsole` when stdout is not a terminal: `[rank] line` (`[host:rank]` once several
+  nodes run), rank stdout to stdout and rank stderr to stderr, no escape codes, and the same
+  summary as plain text. Lines are written in batches, so the console keeps up with ranks
+  printing as fast as they can.
+- `RichConsole` on a terminal: one colour per rank, stderr dimmed, a live panel under the
+  scrolling output (state, pid, GPU alloc/reserved/peak, host RSS, last step), rich tables and
+  a failure panel at the end.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping, Sequence
+from typing import IO, Any, Literal
+
+from zerorun.launch.plan import LaunchPlan
+from zerorun.launch.supervisor import JobResult, RankOutput, RankState, describe_exit
+
+__all__ = ["PlainConsole", "RichConsole", "make_console", "format_bytes", "flatten_breakdown"]
+
+_COLOURS = ("cyan", "magenta", "green", "yellow", "blue", "bright_red", "bright_cyan", "bright_magenta")
+_FAILURE_TAIL = 12
+
+
+def make_console(*, ranks: frozenset[int] | None = None, force_plain: bool = False) -> PlainConsole | RichConsole:
+    if not force_plain and sys.stdout.isatty():
+        return RichConsole(ranks=ranks)
+    return PlainConsole(ranks=ranks)
+
+
+def format_bytes(n: int | float | None) -> str:
+    if n is None:
+        return "-"
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} TiB"  # pragma: no cover
+
+
+def flatten_breakdown(breakdown: Mapping[str, Any] | None, prefix: str = "") -> dict[str, float]:
+    """The runtime's per-component bytes, nested by device or not -> {"cuda:0.params": n}."""
+    out: dict[str, float] = {}
+    for key, value in (breakdown or {}).items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            out.update(flatten_breakdown(value, prefix=f"{name}."))
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[name] = value
+    return out
+
+
+def _prefix(plan: LaunchPlan, rank: int) -> str:
+    if len(plan.nodes) > 1:
+        return f"[{plan.ranks[rank].host}:{rank}]"
+    return f"[{rank}]"
+
+
+def _gpu_cell(s: RankState) -> str:
+    if not s.gpu:
+        return "-"
+    return "/".join(format_bytes(s.gpu.get(k)) for k in ("allocated", "reserved", "peak"))
+
+
+def _step_cell(s: RankState) -> str:
+    if not s.status:
+        return "-"
+    parts = []
+    if "step" in s.status:
+        parts.append(f"step {s.status['step']}")
+    if isinstance(s.status.get("loss"), (int, float)):
+        parts.append(f"loss {s.status['loss']:.4g}")
+    return " ".join(parts) or "-"
+
+
+def _exit_cell(s: RankState) -> str:
+    if s.returncode is None:
+        return s.state
+    text = describe_exit(s.returncode).split(":")[0]
+    return f"{text} (stopped)" if s.state == "stopped" else text
+
+
+def summary_rows(result: JobResult) -> tuple[list[str], list[list[str]]]:
+    head = ["rank", "host", "exit", "wall", "peak GPU", "peak RSS"]
+    rows = []
+    for s in result.ranks:
+        rows.append(
+            [
+                str(s.rank),
+                s.spec.host,
+                _exit_cell(s),
+                f"{s.wall_s:.1f} s" if s.wall_s is not None else "-",
+                format_bytes(s.gpu_peak),
+                format_bytes(s.rss_peak),
+            ]
+        )
+    return head, rows
+
+
+def breakdown_rows(result: JobResult) -> tuple[list[str], list[list[str]]]:
+    """The measured table 4.2 of the article: bytes per component (params, grads, optimizer
+    states, ...) per rank, as the runtime reported them last."""
+    flat = {s.rank: flatten_breakdown(s.breakdown) for s in result.ranks}
+    keys: list[str] = []
+    for d in flat.values():
+        keys.extend(k for k in d if k not in keys)
+    if not keys:
+        return [], []
+    rows = [[str(r), *(format_bytes(flat[r].get(k)) if k in flat[r] else "-" for k in keys)] for r in flat]
+    return ["rank", *keys], rows
+
+
+def failure_lines(result: JobResult) -> list[str]:
+    lines = [result.message] if result.message else []
+    if result.first_failure is not None:
+        s = next(x for x in result.ranks if x.rank == result.first_failure)
+        lines.append(f"rank {s.rank} on {s.spec.host} (pid {s.pid}): {describe_exit(s.returncode or 0)}")
+        if s.error:
+            lines.append(f"exception: {s.error.get('type')}: {s.error.get('message')}")
+        tail = list(s.stderr_tail)[-_FAILURE_TAIL:] or list(s.stdout_tail)[-_FAILURE_TAIL:]
+        if tail:
+            lines.append(f"last lines of rank {s.rank}:")
+            lines.extend(f"  {t}" for t in tail)
+    if result.log_dir:
+        lines.append(f"logs: {result.log_dir}")
+    return lines
+
+
+def _table_text(head: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    return [fmt.format(*head), *(fmt.format(*r) for r in rows)]
+
+
+class PlainConsole:
+    """Prefixed lines and plain-text tables: logs, pipes, CI."""
+
+    def __init__(
+        self,
+        *,
+        ranks: frozenset[int] | None = None,
+        out: IO[str] | None = None,
+        err: IO[str] | None = None,
+    ) -> None:
+        self.ranks = ranks
+        self.out = out or sys.stdout
+        self.err = err or sys.stderr
+        self.plan: LaunchPlan | None = None
+        self._prefixes: dict[int, str] = {}
+
+    def begin(self, plan: LaunchPlan, states: Sequence[RankState]) -> None:
+        self.plan = plan
+        self._prefixes = {s.rank: _prefix(plan, s.rank) for s in states}
+        self.note(
+            f"run {plan.run_id}: {plan.world_size} rank(s) on {plan.device} ({plan.backend}), "
+            f"master {plan.master_addr}:{plan.master_port}: {plan.target.display()}"
+        )
+
+    def output(self, lines: Sequence[RankOutput]) -> None:
+        current: IO[str] | None = None
+        chunk: list[str] = []
+        for line in lines:
+            if self.ranks is not None and line.rank not in self.ranks:
+                continue
+            stream = self.err if line.stream == "stderr" else self.out
+            if stream is not current:
+                if current is not None and chunk:
+                    current.write("".join(chunk))
+                    current.flush()
+                current, chunk = stream, []
+            chunk.append(f"{self._prefixes.get(line.rank, f'[{line.rank}]')} {line.text}\n")
+        if current is not None and chunk:
+            current.write("".join(chunk))
+            current.flush()
+
+    def note(self, text: str, *, level: Literal["info", "warn", "error"] = "info") -> None:
+        tag = {"info": "zerorun", "warn": "zerorun: warning", "error": "zerorun: error"}[level]
+        self.err.write(f"{tag}: {text}\n")
+        self.err.flush()
+
+    def refresh(self) -> None:
+        pass
+
+    def end(self, result: JobResult) -> None:
+        out = self.err
+        if result.exit_code != 0:
+            out.write("zerorun: FAILED\n" + "".join(f"  {line}\n" for line in failure_lines(result)))
+        head, rows = summary_rows(result)
+        out.write("zerorun: summary\n" + "".join(f"  {line}\n" for line in _table_text(head, rows)))
+        bhead, brows = breakdown_rows(result)
+        if brows:
+            out.write(
+                "zerorun: memory by component (last report)\n"
+                + "".join(f"  {line}\n" for line in _table_text(bhead, brows))
+            )
+        out.write(f"zerorun: exit code {result.exit_code} after {result.wall_s:.1f} s\n")
+        out.flush()
+
+
+class RichConsole:
+    """A terminal: colours, a live per-rank panel, rich tables."""
+
+    def __init__(self, *, ranks: frozenset[int] | None = None) -> None:
+        from rich.console import Console
+
+        self.ranks = ranks
+        self.console = Console(highlight=False)
+        self.plan: LaunchPlan | None = None
+        self.states: Sequence[RankState] = ()
+        self._live: Any = None
+        self._styles: dict[int, str] = {}
+        self._prefixes: dict[int, str] = {}
+
+    def begin(self, plan: LaunchPlan, states: Sequence[RankState]) -> None:
+        from rich.live import Live
+
+        self.plan = plan
+        self.states = states
+        self._prefixes = {s.rank: _prefix(plan, s.rank) for s in states}
+        self._styles = {s.rank: _COLOURS[s.rank % len(_COLOURS)] for s in states}
+        self.note(
+            f"run {plan.run_id}: {plan.world_size} rank(s) on {plan.device} ({plan.backend}), "
+            f"master {plan.master_addr}:{plan.master_port}: {plan.target.display()}"
+        )
+        self._live = Live(self._panel(), console=self.console, refresh_per_second=2, transient=True)
+        self._live.start()
+
+    def _panel(self) -> Any:
+        from rich.table import Table
+
+        table = Table(box=None, pad_edge=False, header_style="bold", expand=False)
+        for col in ("rank", "state", "pid", "GPU alloc/reserved/peak", "RSS", "progress"):
+            table.add_column(col)
+        for s in self.states:
+            style = self._styles.get(s.rank, "")
+            table.add_row(
+                f"[{style}]{self._prefixes.get(s.rank, s.rank)}[/]",
+                s.state if s.returncode is None else _exit_cell(s),
+                str(s.pid or "-"),
+                _gpu_cell(s),
+                format_bytes(s.rss),
+                _step_cell(s),
+            )
+        return table
+
+    def output(self, lines: Sequence[RankOutput]) -> None:
+        from rich.text import Text
+
+        text = Text()
+        for line in lines:
+            if self.ranks is not None and line.rank not in self.ranks:
+                continue
+            style = self._styles.get(line.rank, "")
+            text.append(self._prefixes.get(line.rank, f"[{line.rank}]"), style=style)
+            text.append(" " if line.stream == "stdout" else "! ", style=style)
+            text.append(line.text + "\n", style="dim" if line.stream == "stderr" else "")
+        if text:
+            text.rstrip()
+            self.console.print(text, soft_wrap=True)
+
+    def note(self, text: str, *, level: Literal["info", "warn", "error"] = "info") -> None:
+        style = {"info": "bold", "warn": "bold yellow", "error": "bold red"}[level]
+        self.console.print(f"[{style}]zerorun:[/] {text}", markup=True, highlight=False)
+
+    def refresh(self) -> None:
+        if self._live is not None:
+            self._live.update(self._panel())
+
+    def end(self, result: JobResult) -> None:
+        from rich.panel import Panel
+        from rich.table import Table
+
+        if self._live is not None:
+            self._live.stop()
+            self._live = None
+        if result.exit_code != 0:
+            body = "\n".join(failure_lines(result))
+            self.console.print(Panel(body, title="[bold red]job failed", border_style="red", expand=False))
+        for title, (head, rows) in (("summary", summary_rows(result)), ("memory by component", breakdown_rows(result))):
+            if not rows:
+                continue
+            table = Table(title=title, title_justify="left")
+            for h in head:
+                table.add_column(h)
+            for row in rows:
+                table.add_row(*row)
+            self.console.print(table)
+        colour = "green" if result.exit_code == 0 else "red"
+        self.console.print(f"[{colour}]zerorun: exit code {result.exit_code}[/] after {result.wall_s:.1f} s")
