@@ -1,0 +1,256 @@
+"""The training engine: what ``zerorun.initialize`` returns.
+
+One training step, as a script drives it (DeepSpeed's shape):
+
+    for batch in loader:
+        loss = loss_fn(engine(batch))   # forward: the user's module, inputs cast to the compute dtype
+        engine.backward(loss)           # loss * scale / accumulation steps; gradients reduced in buckets
+        engine.step()                   # every micro-batch; updates only at the accumulation boundary
+
+At the boundary, ``step`` does, in this order: global gradient norm (one small all-reduce at
+stages 1+; the fp16 overflow flag comes with it), skip on overflow (fp16) or unscale + clip in
+one multiply, optimizer step on this rank's shards, write-back of the updated parameters,
+scheduler step, zero the gradients. The stage object (stages.py, stage3.py) does everything that
+differs between stages; this file does not branch on the stage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+from zerorun.runtime.collectives import Communicator
+from zerorun.runtime.memory import MemoryLedger
+from zerorun.runtime.precision import LossScaler
+from zerorun.runtime.settings import RuntimeSettings
+
+__all__ = ["Engine"]
+
+
+def _cast_inputs(value: Any, dtype: torch.dtype) -> Any:
+    if torch.is_tensor(value):
+        return value.to(dtype) if value.is_floating_point() and value.dtype != dtype else value
+    if isinstance(value, (list, tuple)):
+        cast = [_cast_inputs(v, dtype) for v in value]
+        return type(value)(cast) if not hasattr(value, "_fields") else type(value)(*cast)
+    if isinstance(value, Mapping):
+        return type(value)({k: _cast_inputs(v, dtype) for k, v in value.items()})
+    return value
+
+
+def _events() -> Any:
+    try:
+        from zerorun.launch import events
+    except ImportError:  # the launcher's module is optional for the runtime
+        return None
+    return events
+
+
+class Engine:
+    def __init__(
+        self,
+        *,
+        module: nn.Module,
+        stage: Any,
+        settings: RuntimeSettings,
+        comm: Communicator,
+        optimizer: Optimizer,
+        lr_scheduler: Any,
+        scaler: LossScaler,
+        device: torch.device,
+    ) -> None:
+        self.module = module
+        self.stage = stage
+        self.settings = settings
+        self.comm = comm
+        self.optimizer = optimizer
+        self.lr_scheduler = lr_scheduler
+        self.loss_scaler = scaler
+        self.device = device
+        self.gradient_accumulation_steps = settings.grad_accum
+        self.train_micro_batch_size_per_gpu = settings.micro_batch
+        self.train_batch_size = settings.train_batch
+        self.zero_stage = settings.stage
+        self.micro_steps = 0
+        self.global_steps = 0
+        self.global_samples = 0
+        self.skipped_steps = 0
+        self._grad_norm: torch.Tensor | None = None
+        self._last_loss: torch.Tensor | None = None
+        self._in_backward_window = False
+        self._compute_dtype = settings.policy.param_dtype
+        events = _events()
+        if events is not None and hasattr(events, "set_memory_provider"):
+            events.set_memory_provider(self.memory_summary)
+
+    # -- forward ------------------------------------------------------------------------------
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.forward(*args, **kwargs)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._compute_dtype != torch.float32:
+            # DeepSpeed leaves this to the script (fp16.auto_cast); casting floating inputs to the
+            # compute dtype is what every mixed-precision script does anyway.
+            args = _cast_inputs(args, self._compute_dtype)
+            kwargs = _cast_inputs(kwargs, self._compute_dtype)
+        return self.module(*args, **kwargs)
+
+    # -- backward -----------------------------------------------------------------------------
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
+        """Scale by loss scale / accumulation steps, backpropagate, reduce gradients (buckets are
+        issued while the backward still runs)."""
+        self.stage.begin_backward(
+            boundary=self.is_gradient_accumulation_boundary(),
+            first_micro=self.micro_steps % self.gradient_accumulation_steps == 0,
+        )
+        self._in_backward_window = True
+        factor = self.loss_scaler.scale / self.gradient_accumulation_steps
+        scaled = loss * factor if factor != 1.0 else loss
+        scaled.backward(retain_graph=retain_graph)
+        self.stage.end_backward()
+        self._in_backward_window = False
+        self._last_loss = loss.detach()
+        return loss
+
+    # -- step ---------------------------------------------------------------------------------
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
+
+    def step(self) -> None:
+        if self._in_backward_window:  # loss.backward() was called directly: finish the reduction
+            self.stage.end_backward()
+            self._in_backward_window = False
+        if self.is_gradient_accumulation_boundary():
+            self._take_model_step()
+        self.micro_steps += 1
+        self.global_samples += self.settings.micro_batch * self.comm.world_size
+
+    def _take_model_step(self) -> None:
+        grads = self.stage.grad_shards()
+        scale = self.loss_scaler.scale
+        norm = self._global_norm(grads) / scale  # true (unscaled) norm, on device
+        self._grad_norm = norm
+        overflow = False
+        if self.settings.fp16:
+            # Host sync: deciding to skip the step needs the value (fp16 only).
+            overflow = not bool(torch.isfinite(norm).item())
+        if overflow:
+            self.skipped_steps += 1
+        else:
+            self._unscale_and_clip(grads, norm, scale)
+            self.stage.step(grads)
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step()
+        self.loss_scaler.update(overflow)
+        self.stage.zero_grad()
+        self.global_steps += 1
+        self._report_status()
+
+    def _global_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """L2 norm over all ranks' shards; each element is owned by one rank (or, at stage 0, held
+        identically by all), so every parameter -- tied ones included -- counts once."""
+        if not grads:
+            return torch.zeros((), device=self.device)
+        if all(g.dtype == torch.float32 for g in grads):
+            norms = torch._foreach_norm(grads)
+        else:
+            norms = [torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]
+        sumsq = torch.stack(norms).square().sum()
+        if not self.stage.grads_replicated:
+            self.comm.all_reduce_now(sumsq)  # SUM; an inf/nan on any rank makes the sum non-finite
+        return sumsq.sqrt()
+
+    def _unscale_and_clip(self, grads: list[torch.Tensor], norm: torch.Tensor, scale: float) -> None:
+        clip = self.settings.gradient_clipping
+        if clip > 0:
+            # torch.nn.utils.clip_grad_norm_'s formula, kept on the device (no host sync).
+            coef = torch.clamp(clip / (norm + 1e-6), max=1.0)
+            if scale != 1.0:
+                coef = coef / scale
+            torch._foreach_mul_(grads, coef)
+        elif scale != 1.0:
+            torch._foreach_mul_(grads, 1.0 / scale)
+
+    def _report_status(self) -> None:
+        if self.global_steps % self.settings.steps_per_print != 0:
+            return
+        events = _events()
+        if events is None or not hasattr(events, "emit"):
+            return
+        loss = (
+            float(self._last_loss.float().item()) if self._last_loss is not None else None
+        )  # host sync, once per print
+        events.emit(
+            "status", step=self.global_steps, loss=loss, lr=self.get_lr()[0] if self.get_lr() else None
+        )
+
+    # -- the rest of DeepSpeed's engine surface -----------------------------------------------
+    def zero_grad(self) -> None:
+        """Clears gradients the module holds. Accumulated (reduced) gradients are owned by the
+        engine and cleared by ``step`` at the boundary, so calling this every micro-batch, as
+        plain PyTorch loops do, does not break accumulation."""
+        for p in self.module.parameters():
+            p.grad = None
+
+    def train(self, mode: bool = True) -> Engine:
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> Engine:
+        self.module.eval()
+        return self
+
+    def parameters(self, recurse: bool = True) -> Any:
+        return self.module.parameters(recurse)
+
+    def named_parameters(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module.named_parameters(*args, **kwargs)
+
+    def get_global_grad_norm(self) -> float | None:
+        """Norm of the last step's gradients (before clipping). Reading it is a host sync."""
+        return None if self._grad_norm is None else float(self._grad_norm.item())
+
+    def get_lr(self) -> list[float]:
+        return [float(g["lr"]) for g in self.optimizer.param_groups]
+
+    def get_loss_scale(self) -> float:
+        return self.loss_scaler.scale
+
+    @property
+    def world_size(self) -> int:
+        return self.comm.world_size
+
+    @property
+    def global_rank(self) -> int:
+        return self.comm.rank
+
+    def memory_summary(self) -> dict[str, dict[str, int]]:
+        """Bytes the runtime holds, by device and category (memory.py)."""
+        ledger = MemoryLedger()
+        parts: dict[str, list[torch.Tensor]] = self.stage.memory_tensors()
+        ledger.add("params", parts.get("params", []))
+        ledger.add("params", (p for p in self.module.parameters() if not p.requires_grad))
+        ledger.add("params", self.module.parameters())
+        for category in ("master", "grads", "optimizer_states"):
+            ledger.add(category, parts.get(category, []))
+        ledger.add("module_buffers", self.module.buffers())
+        for device, nbytes in self._buffer_bytes().items():
+            ledger.add_bytes("buffers", device, nbytes)
+        return ledger.summary()
+
+    def _buffer_bytes(self) -> dict[str, int]:
+        peak: Callable[[], int] | None = getattr(self.stage, "buffer_peak_bytes", None)
+        return {str(self.device): int(peak())} if peak is not None else {}
+
+    def destroy(self) -> None:
+        """Remove the hooks this engine installed (tests build many engines in one process)."""
+        reducer = getattr(self.stage, "reducer", None)
+        if reducer is not None:
+            reducer.remove_hooks()
+        events = _events()
+        if events is not None and hasattr(events, "set_memory_provider"):
+            events.set_memory_provider(None)

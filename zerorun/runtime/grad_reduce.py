@@ -1,0 +1,246 @@
+"""Gradient reduction for stages 0, 1 and 2, overlapping the backward pass.
+
+A post-accumulate-grad hook on every trainable parameter moves its fresh gradient (compute
+dtype) into reduce-dtype memory of its flat buffer and frees ``p.grad`` at once. When every
+parameter of a flat buffer has reported, that buffer's collective is issued -- strictly in
+buffer order, so all ranks issue the same collectives in the same order even when a parameter
+is unused on some rank (its slot is zero-filled when the backward ends). At most
+``max_inflight`` collectives are outstanding; older ones are retired first, which bounds the
+memory of stage 2's staging buffers.
+
+* ``AllReduceGrads`` (stage 0): full reduce-dtype gradients accumulate across micro-steps; at
+  the boundary each buffer is all-reduced.
+* ``BoundaryReduceScatter`` (stage 1): same full accumulation; at the boundary each buffer is
+  reduce-scattered in place, so this rank's shard of it holds the reduced gradient.
+* ``PartitionedGrads`` (stage 2): each micro-step a buffer's gradients go into a staging
+  buffer that is reduce-scattered and freed; only this rank's shard is kept and accumulates.
+
+Averaging divides by the world size before the sum (gloo has no PREMUL_SUM; exact for powers
+of two).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+import torch
+from torch import nn
+
+from zerorun.runtime.collectives import Communicator, Pending
+from zerorun.runtime.flat_params import FlatParamBuffers
+
+__all__ = ["GradReducer", "AllReduceGrads", "BoundaryReduceScatter", "PartitionedGrads"]
+
+
+class GradReducer:
+    """Hooks + ordered launching; subclasses say where gradients go and what is issued."""
+
+    max_inflight = 2
+
+    def __init__(self, flat: FlatParamBuffers, comm: Communicator, reduce_dtype: torch.dtype) -> None:
+        self.flat = flat
+        self.comm = comm
+        self.reduce_dtype = reduce_dtype
+        self.world = comm.world_size
+        self.shard = comm.rank if flat.layouts and flat.layouts[0].num_shards > 1 else 0
+        n = len(flat.layouts)
+        self._reported = [0] * n
+        self._written: list[list[bool]] = [[False] * len(layout.slots) for layout in flat.layouts]
+        self._next = 0
+        self._pending: deque[Pending] = deque()
+        self._open = False
+        self.boundary = True
+        self.first_micro = True
+        self.launches = 0  # collectives issued (tests assert overlap really happened)
+        self.launched_during_backward = 0
+        self._in_backward = False
+        self.peak_buffer_bytes = 0
+        self._handles = []
+        for i, params in enumerate(flat.params):
+            for k, p in enumerate(params):
+                self._handles.append(p.register_post_accumulate_grad_hook(self._hook(i, k)))
+
+    # -- lifecycle driven by the engine -------------------------------------------------------
+    def begin(self, *, boundary: bool, first_micro: bool) -> None:
+        self.boundary = boundary
+        self.first_micro = first_micro
+        self._reported = [0] * len(self.flat.layouts)
+        self._written = [[False] * len(layout.slots) for layout in self.flat.layouts]
+        self._next = 0
+        self._open = True
+        self._in_backward = True
+
+    def end_backward(self) -> None:
+        """Zero-fill slots of unused parameters, issue what is left (in order), wait for all."""
+        if not self._open:
+            return
+        self._in_backward = False
+        for i in range(self._next, len(self.flat.layouts)):
+            self._fill_unwritten(i)
+            self._launch(i)
+        self._next = len(self.flat.layouts)
+        while self._pending:
+            self._pending.popleft().wait()
+        self._open = False
+
+    def grad_shards(self) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+    def zero_grad(self) -> None:
+        raise NotImplementedError
+
+    def buffers(self) -> list[torch.Tensor]:
+        """Persistent gradient memory (for the memory summary)."""
+        raise NotImplementedError
+
+    def remove_hooks(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    # -- internals ----------------------------------------------------------------------------
+    def _hook(self, i: int, k: int) -> Any:
+        def hook(p: nn.Parameter) -> None:
+            if not self._open:  # backward not started through the engine: treat as a micro-step
+                self.begin(boundary=self.boundary, first_micro=self.first_micro)
+            grad = p.grad
+            p.grad = None  # the 16-bit full gradient is not kept: that is the point of the stage
+            if grad is None:
+                return
+            slot = self.flat.layouts[i].slots[k]
+            self._accept(i, slot.offset, slot.numel, grad.reshape(-1), first=not self._written[i][k])
+            self._written[i][k] = True
+            self._reported[i] += 1
+            if self._reported[i] == len(self.flat.layouts[i].slots):
+                self._launch_ready()
+
+        return hook
+
+    def _launch_ready(self) -> None:
+        layouts = self.flat.layouts
+        while self._next < len(layouts) and self._reported[self._next] == len(layouts[self._next].slots):
+            self._launch(self._next)
+            self._next += 1
+
+    def _track(self, pending: Pending) -> None:
+        self.launches += 1
+        if self._in_backward:
+            self.launched_during_backward += 1
+        self._pending.append(pending)
+        while len(self._pending) > self.max_inflight:
+            self._pending.popleft().wait()
+
+    def _accept(self, i: int, offset: int, numel: int, grad: torch.Tensor, first: bool) -> None:
+        raise NotImplementedError
+
+    def _fill_unwritten(self, i: int) -> None:
+        return None
+
+    def _launch(self, i: int) -> None:
+        raise NotImplementedError
+
+
+class _FullAccumulation(GradReducer):
+    """Full reduce-dtype gradient buffers that accumulate across micro-steps (stages 0 and 1)."""
+
+    def __init__(self, flat: FlatParamBuffers, comm: Communicator, reduce_dtype: torch.dtype) -> None:
+        super().__init__(flat, comm, reduce_dtype)
+        self.acc = [
+            torch.zeros(layout.padded_numel, dtype=reduce_dtype, device=flat.device)
+            for layout in flat.layouts
+        ]
+
+    def _accept(self, i: int, offset: int, numel: int, grad: torch.Tensor, first: bool) -> None:
+        self.acc[i][offset : offset + numel].add_(grad)
+
+    def zero_grad(self) -> None:
+        for a in self.acc:
+            a.zero_()
+
+    def buffers(self) -> list[torch.Tensor]:
+        return list(self.acc)
+
+
+class AllReduceGrads(_FullAccumulation):
+    def _launch(self, i: int) -> None:
+        if not self.boundary or self.world == 1:
+            return
+        self.acc[i].div_(self.world)
+        self._track(self.comm.all_reduce(self.acc[i]))
+
+    def grad_shards(self) -> list[torch.Tensor]:
+        return list(self.acc)
+
+
+class BoundaryReduceScatter(_FullAccumulation):
+    def _launch(self, i: int) -> None:
+        if not self.boundary or self.world == 1:
+            return
+        start, end = self.flat.layouts[i].shard_range(self.shard)
+        self.acc[i].div_(self.world)
+        self._track(self.comm.reduce_scatter(self.acc[i][start:end], self.acc[i]))
+
+    def grad_shards(self) -> list[torch.Tensor]:
+        out = []
+        for layout, a in zip(self.flat.layouts, self.acc, strict=True):
+            start, end = layout.shard_range(self.shard)
+            out.append(a[start:end])
+        return out
+
+
+class PartitionedGrads(GradReducer):
+    def __init__(self, flat: FlatParamBuffers, comm: Communicator, reduce_dtype: torch.dtype) -> None:
+        super().__init__(flat, comm, reduce_dtype)
+        self.shards = [
+            torch.zeros(layout.shard_numel, dtype=reduce_dtype, device=flat.device) for layout in flat.layouts
+        ]
+        self._staging: dict[int, torch.Tensor] = {}
+
+    def _staging_for(self, i: int) -> torch.Tensor:
+        buf = self._staging.get(i)
+        if buf is None:
+            layout = self.flat.layouts[i]
+            buf = torch.empty(layout.padded_numel, dtype=self.reduce_dtype, device=self.flat.device)
+            buf[layout.numel :].zero_()
+            self._staging[i] = buf
+            live = sum(b.numel() * b.element_size() for b in self._staging.values())
+            self.peak_buffer_bytes = max(self.peak_buffer_bytes, live + self._inflight_bytes())
+        return buf
+
+    def _inflight_bytes(self) -> int:
+        return len(self._pending) * max(
+            (b.numel() * b.element_size() for b in self._staging.values()), default=0
+        )
+
+    def _accept(self, i: int, offset: int, numel: int, grad: torch.Tensor, first: bool) -> None:
+        self._staging_for(i)[offset : offset + numel].copy_(grad)
+
+    def _fill_unwritten(self, i: int) -> None:
+        buf = self._staging_for(i)
+        for slot, written in zip(self.flat.layouts[i].slots, self._written[i], strict=True):
+            if not written:
+                buf[slot.offset : slot.offset + slot.numel].zero_()
+
+    def _launch(self, i: int) -> None:
+        staging = self._staging.pop(i)
+        if self.world > 1:
+            staging.div_(self.world)
+        shard = self.shards[i]
+        start, end = self.flat.layouts[i].shard_range(self.shard)
+        if self.first_micro:
+            # First micro-step of the accumulation: reduce straight into the kept shard.
+            self._track(self.comm.reduce_scatter(shard, staging))
+        else:
+            out = torch.empty_like(shard) if self.world > 1 else staging[start:end]
+            self._track(self.comm.reduce_scatter(out, staging, then=lambda: shard.add_(out)))
+
+    def grad_shards(self) -> list[torch.Tensor]:
+        return list(self.shards)
+
+    def zero_grad(self) -> None:
+        for s in self.shards:
+            s.zero_()
+
+    def buffers(self) -> list[torch.Tensor]:
+        return list(self.shards)

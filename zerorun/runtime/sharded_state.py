@@ -1,0 +1,191 @@
+"""The sharded optimizer state that stages 1, 2 and 3 share (stage 0 uses it with one shard).
+
+Per flat buffer this rank owns one shard; for each it keeps an fp32 **master shard** that the
+torch optimizer updates as if it were a parameter, so optimizer states exist only for this
+rank's shards. One step is:
+
+    grads = stage's reduced gradient shards (reduce dtype)
+    state.step(grads)         # placement brings grads to the masters, optimizer.step()
+    state.write_back(dsts)    # updated masters -> the stage's 16-bit parameter shards
+
+Where masters and optimizer states live is the ``ShardPlacement``'s business, not the stage's:
+the default keeps them on the training device (a master shard is simply a view of the parameter
+shard when both are fp32, so fp32 training keeps no extra copy). ``zerorun.runtime.offload``
+provides placements for pinned CPU memory / NVMe; nothing else here knows about offload.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch.optim import Optimizer
+
+from zerorun.runtime.partition import FlatLayout
+
+__all__ = ["ShardPlacement", "DevicePlacement", "ShardedOptimizerState"]
+
+
+class ShardPlacement:
+    """Decides where master shards and optimizer states live and moves data to/from them.
+
+    Subclass contract (offload implements these):
+      * ``make_master(i, param_shard, fp32_init)`` returns the fp32 master for flat buffer ``i``
+        (``fp32_init()`` gives the shard's initial fp32 values; call it only if a copy is needed).
+      * ``grad_for_step(i, grad_shard, master)`` returns the gradient the optimizer should see,
+        on the master's device and dtype (may start an async copy).
+      * ``before_step()`` waits for those copies; ``step(optimizer)`` runs the optimizer.
+      * ``write_back(i, master, dst)`` copies an updated master into the stage's parameter shard
+        ``dst`` (16-bit, on the training device); ``after_write_back()`` completes such copies.
+    """
+
+    name = "base"
+
+    def make_master(
+        self, index: int, param_shard: torch.Tensor, fp32_init: Callable[[], torch.Tensor]
+    ) -> torch.Tensor:
+        raise NotImplementedError
+
+    def grad_for_step(self, index: int, grad_shard: torch.Tensor, master: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def before_step(self) -> None:
+        return None
+
+    def step(self, optimizer: Optimizer) -> None:
+        optimizer.step()
+
+    def write_back(self, index: int, master: torch.Tensor, dst: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def after_write_back(self) -> None:
+        return None
+
+    @property
+    def optimizer_device(self) -> torch.device:
+        raise NotImplementedError
+
+
+class DevicePlacement(ShardPlacement):
+    """Masters and optimizer states on the training device."""
+
+    name = "device"
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def make_master(
+        self, index: int, param_shard: torch.Tensor, fp32_init: Callable[[], torch.Tensor]
+    ) -> torch.Tensor:
+        if param_shard.dtype == torch.float32:
+            return param_shard  # fp32 training: the parameter shard is the master, no copy
+        return fp32_init().to(self.device, torch.float32)
+
+    def grad_for_step(self, index: int, grad_shard: torch.Tensor, master: torch.Tensor) -> torch.Tensor:
+        return grad_shard if grad_shard.dtype == master.dtype else grad_shard.to(master.dtype)
+
+    def write_back(self, index: int, master: torch.Tensor, dst: torch.Tensor) -> None:
+        if master.data_ptr() != dst.data_ptr():
+            dst.copy_(master)
+
+    @property
+    def optimizer_device(self) -> torch.device:
+        return self.device
+
+
+class ShardedOptimizerState:
+    """Master shards (one per flat buffer) + the torch optimizer over them + partition metadata."""
+
+    def __init__(
+        self,
+        layouts: Sequence[FlatLayout],
+        shard_index: int,
+        param_shards: Sequence[torch.Tensor],
+        fp32_init: Callable[[int], torch.Tensor],
+        placement: ShardPlacement,
+    ) -> None:
+        self.layouts = list(layouts)
+        self.shard_index = shard_index
+        self.placement = placement
+        self.masters: list[torch.Tensor] = [
+            placement.make_master(i, param_shards[i], lambda i=i: fp32_init(i))
+            for i in range(len(self.layouts))
+        ]
+        self.optimizer: Optimizer | None = None
+
+    def param_groups(self, group_hypers: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Param-group dicts over the masters, one per optimizer group (masters of a flat buffer
+        belong to the buffer's group; a group with no trainable parameter keeps an empty list)."""
+        groups = [dict(h, params=[]) for h in group_hypers]
+        for layout, master in zip(self.layouts, self.masters, strict=True):
+            groups[layout.group]["params"].append(master)
+        return groups
+
+    def attach(self, optimizer: Optimizer) -> None:
+        self.optimizer = optimizer
+
+    def step(self, grad_shards: Sequence[torch.Tensor]) -> None:
+        assert self.optimizer is not None
+        for i, (master, grad) in enumerate(zip(self.masters, grad_shards, strict=True)):
+            master.grad = self.placement.grad_for_step(i, grad, master)
+        self.placement.before_step()
+        self.placement.step(self.optimizer)
+        for master in self.masters:
+            master.grad = None
+
+    def write_back(self, dsts: Sequence[torch.Tensor]) -> None:
+        for i, (master, dst) in enumerate(zip(self.masters, dsts, strict=True)):
+            self.placement.write_back(i, master, dst)
+        self.placement.after_write_back()
+
+    # -- exposure for checkpoints and memory accounting ---------------------------------------
+    def optimizer_state_tensors(self) -> list[torch.Tensor]:
+        if self.optimizer is None:
+            return []
+        return [
+            v for s in self.optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0
+        ]
+
+    def sharded_state(self) -> dict[str, Any]:
+        """What a sharded checkpoint stores for this rank: the partition metadata (enough to
+        reshard: names, shapes, dtypes, offsets, shard ranges), the fp32 masters and the
+        optimizer's per-master state in the same order."""
+        assert self.optimizer is not None
+        index = {id(m): i for i, m in enumerate(self.masters)}
+        per_master: list[dict[str, Any]] = [{} for _ in self.masters]
+        for p, s in self.optimizer.state.items():
+            per_master[index[id(p)]] = dict(s)
+        return {
+            "layouts": [layout.to_dict() for layout in self.layouts],
+            "shard_index": self.shard_index,
+            "shard_ranges": [list(layout.shard_range(self.shard_index)) for layout in self.layouts],
+            "masters": self.masters,
+            "optimizer_state": per_master,
+            "param_groups": [
+                {k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups
+            ],
+        }
+
+    def load_sharded_state(self, state: dict[str, Any]) -> None:
+        """Inverse of ``sharded_state`` for the same layouts and shard (resharding builds such a
+        dict from other shards first)."""
+        assert self.optimizer is not None
+        with torch.no_grad():
+            for master, src in zip(self.masters, state["masters"], strict=True):
+                master.copy_(src)
+        # Through torch's own load_state_dict, which casts/moves state the way the optimizer
+        # class expects (e.g. fused Adam's step counters on the device).
+        position = {id(m): i for i, m in enumerate(self.masters)}
+        sd: dict[str, Any] = {"state": {}, "param_groups": []}
+        k = 0
+        for group, saved in zip(self.optimizer.param_groups, state["param_groups"], strict=True):
+            ids = []
+            for p in group["params"]:
+                s = state["optimizer_state"][position[id(p)]]
+                if s:
+                    sd["state"][k] = s
+                ids.append(k)
+                k += 1
+            sd["param_groups"].append(dict(saved, params=ids))
+        self.optimizer.load_state_dict(sd)
