@@ -1,0 +1,151 @@
+"""The catalogue of benchmark configurations: what each one is, and the zerorun config it uses.
+
+A configuration is a name the command line accepts (`--configs plain,fsdp2,zero2`) plus what
+the worker needs to build it. The training recipe (model, data, AdamW hyperparameters) is the
+same for all and lives in `workload.py`.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any, Literal
+
+__all__ = ["BenchConfig", "CATALOGUE", "PRESETS", "select", "zerorun_ds_config", "deep_merge"]
+
+Family = Literal["plain", "ddp", "fsdp2", "zerorun"]
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    name: str
+    family: Family
+    description: str
+    stage: int | None = None  # zerorun: zero_optimization.stage
+    offload_optimizer: bool = False  # zerorun: offload_optimizer.device = cpu
+    offload_param: bool = False  # zerorun: offload_param.device = cpu (stage 3)
+    cpu_offload: bool = False  # FSDP2: CPUOffloadPolicy
+    # plain PyTorch is one process on one GPU whatever --nproc says: its tokens/s per GPU is
+    # the baseline every row is compared with.
+    single_process: bool = False
+    needs_multi_rank: bool = False  # DDP only means something with world > 1
+    needs_cuda: bool = False  # FSDP2's CPUOffloadPolicy needs an accelerator
+
+
+def _zr(name: str, stage: int, desc: str, **kw: bool) -> BenchConfig:
+    return BenchConfig(name=name, family="zerorun", description=desc, stage=stage, **kw)
+
+
+CATALOGUE: dict[str, BenchConfig] = {
+    c.name: c
+    for c in [
+        BenchConfig(
+            "plain", "plain", "PyTorch, fp32 weights, bf16 autocast, fused AdamW", single_process=True
+        ),
+        BenchConfig("ddp", "ddp", "PyTorch DDP, bf16 autocast, fused AdamW", needs_multi_rank=True),
+        BenchConfig("fsdp2", "fsdp2", "FSDP2 per block + root, bf16 params, fp32 reduce"),
+        BenchConfig("fsdp2_offload", "fsdp2", "FSDP2 + CPUOffloadPolicy", cpu_offload=True, needs_cuda=True),
+        _zr("zero0", 0, "zerorun stage 0, bf16"),
+        _zr("zero1", 1, "zerorun stage 1, bf16"),
+        _zr("zero2", 2, "zerorun stage 2, bf16"),
+        _zr("zero3", 3, "zerorun stage 3, bf16"),
+        _zr("zero2_offload_opt", 2, "zerorun stage 2 + CPU optimizer offload", offload_optimizer=True),
+        _zr("zero3_offload_opt", 3, "zerorun stage 3 + CPU optimizer offload", offload_optimizer=True),
+        # Parameters and optimizer both on the host: the article's "ZeRO-3 + CPU offload" and
+        # what FSDP2's CPUOffloadPolicy does (it offloads parameters, gradients and the step).
+        _zr(
+            "zero3_offload_param",
+            3,
+            "zerorun stage 3 + CPU parameter and optimizer offload",
+            offload_optimizer=True,
+            offload_param=True,
+        ),
+    ]
+}
+
+PRESETS: dict[str, list[str]] = {
+    # For iterating: the baseline, the peer to beat, one zerorun stage (add the one just changed).
+    "quick": ["plain", "fsdp2", "zero2"],
+    "full": list(CATALOGUE),
+    "zerorun": [n for n, c in CATALOGUE.items() if c.family == "zerorun"],
+    "peers": [n for n, c in CATALOGUE.items() if c.family != "zerorun"],
+    # Multi-rank memory mode (zerorun only: the ZeRO formulas are about zerorun's partitions).
+    "memory": ["zero1", "zero2", "zero3", "zero2_offload_opt", "zero3_offload_param"],
+}
+
+
+def select(spec: str, world_size: int) -> tuple[list[BenchConfig], list[str]]:
+    """Configurations named by `spec` ("quick", "full", "plain,zero3", "quick,zero3", ...).
+
+    Returns (configurations in catalogue order, notes on the ones dropped for this world size).
+    Raises ValueError naming an unknown configuration and the valid names.
+    """
+    wanted: set[str] = set()
+    for item in (s.strip() for s in spec.split(",")):
+        if not item:
+            continue
+        if item in PRESETS:
+            wanted.update(PRESETS[item])
+        elif item in CATALOGUE:
+            wanted.add(item)
+        else:
+            raise ValueError(
+                f"unknown configuration {item!r}; presets: {', '.join(PRESETS)}; "
+                f"configurations: {', '.join(CATALOGUE)}"
+            )
+    chosen, notes = [], []
+    for name, cfg in CATALOGUE.items():
+        if name not in wanted:
+            continue
+        if cfg.needs_multi_rank and world_size < 2:
+            notes.append(f"{name}: skipped, needs --nproc >= 2")
+            continue
+        chosen.append(cfg)
+    return chosen, notes
+
+
+def deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    """`base` with `override` merged in recursively (dicts merge, other values replace)."""
+    out = copy.deepcopy(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def zerorun_ds_config(
+    cfg: BenchConfig,
+    *,
+    micro_batch: int,
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+    override: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The DeepSpeed-style config dict a zerorun configuration passes to `zerorun.initialize`.
+
+    Bucket sizes and stage-3 knobs are left at the defaults a DeepSpeed user gets, so the
+    numbers are what a user sees out of the box; `override` (the command line's
+    `--zerorun-override JSON`) changes any key for experiments.
+    """
+    if cfg.family != "zerorun" or cfg.stage is None:
+        raise ValueError(f"{cfg.name} is not a zerorun configuration")
+    zero: dict[str, Any] = {"stage": cfg.stage, "overlap_comm": True, "contiguous_gradients": True}
+    if cfg.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    if cfg.offload_param:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+    ds: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": micro_batch,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": lr, "betas": list(betas), "eps": eps, "weight_decay": weight_decay},
+        },
+        "bf16": {"enabled": True},
+        "zero_optimization": zero,
+    }
+    return deep_merge(ds, override) if override else ds
