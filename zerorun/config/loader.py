@@ -1,0 +1,89 @@
+"""`load_config`: source -> validated `ZerorunConfig` + warnings + notices (Contract 1)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from zerorun.config.aliases import rewrite_aliases
+from zerorun.config.batch import BatchResolution, resolve_batch
+from zerorun.config.messages import format_validation_error
+from zerorun.config.reader import RawConfig, read_source
+from zerorun.config.rules import check_rules, open_autos
+from zerorun.config.schema import ZerorunConfig
+from zerorun.errors import ConfigError
+
+__all__ = ["LoadedConfig", "load_config"]
+
+
+@dataclass
+class LoadedConfig:
+    """A validated config and what the user should know about it."""
+
+    config: ZerorunConfig
+    warnings: list[str] = field(default_factory=list)  # no effect where written, or deprecated
+    notices: list[str] = field(default_factory=list)  # DeepSpeed keys accepted, not acted on
+    path: Path | None = None
+    # Filled when load_config was given a world size: the batch triad after DeepSpeed's rule.
+    batch: BatchResolution | None = None
+    # Every "auto" still open ("zero_optimization.reduce_bucket_size", "optimizer.params.lr").
+    open_autos: list[str] = field(default_factory=list)
+    format: str = "dict"
+
+    def resolve_batch(self, world_size: int | None) -> BatchResolution:
+        """The batch triad for `world_size` (ConfigError with the arithmetic on a mismatch)."""
+        c = self.config
+        return resolve_batch(
+            c.train_batch_size,
+            c.train_micro_batch_size_per_gpu,
+            c.gradient_accumulation_steps,
+            world_size,
+            source=str(self.path) if self.path else "",
+        )
+
+
+def _fail(raw: RawConfig, problems: list[str]) -> ConfigError:
+    if len(problems) == 1:
+        return ConfigError(f"{raw.name}: {problems[0]}")
+    listing = "\n".join(f"  - {p}" for p in problems)
+    return ConfigError(f"{raw.name}: {len(problems)} problems:\n{listing}")
+
+
+def load_config(source: str | Path | dict[str, Any], world_size: int | None = None) -> LoadedConfig:
+    """Read and validate a config: a path (DeepSpeed JSON with comments, or YAML) or a dict.
+
+    Raises ConfigError (naming the file, the key with its line, and the fix) for anything no
+    run could use. With `world_size`, the batch triad is also resolved and checked.
+    Never imports torch.
+    """
+    raw = read_source(source)
+    bad_keys = [k for k in raw.data if not isinstance(k, str)]
+    if bad_keys:
+        raise ConfigError(f"{raw.name}: config keys must be strings, found {bad_keys[0]!r}")
+    warnings = rewrite_aliases(raw)
+    try:
+        config = ZerorunConfig.model_validate(raw.data)
+    except ValidationError as err:
+        raise _fail(raw, format_validation_error(raw, err, ZerorunConfig)) from None
+    errors, rule_warnings, notices = check_rules(raw, config)
+    if errors:
+        raise _fail(raw, errors)
+    loaded = LoadedConfig(
+        config=config,
+        warnings=warnings + rule_warnings,
+        notices=notices,
+        path=raw.path,
+        open_autos=open_autos(config),
+        format=raw.format,
+    )
+    c = config
+    if world_size is not None:
+        loaded.batch = loaded.resolve_batch(world_size)
+    elif any(v is not None for v in (c.train_batch_size, c.train_micro_batch_size_per_gpu, c.gradient_accumulation_steps)):
+        # Without a world size only contradictions among the given numbers can be found; a
+        # config with no batch size at all may still be completed by the script.
+        loaded.resolve_batch(None)
+    return loaded

@@ -1,0 +1,212 @@
+"""Rules between keys, checked after each key is valid on its own.
+
+Errors are contradictions no run can satisfy. Warnings are settings that have no effect where
+they are (DeepSpeed ignores them too, so an error would break configs that work there).
+Notices are DeepSpeed features zerorun accepts but does not implement.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import Any
+
+from pydantic import BaseModel
+
+from zerorun.config.jsonc import Path_
+from zerorun.config.reader import RawConfig, dotted
+from zerorun.config.schema import ZerorunConfig
+from zerorun.config.types import AUTO
+
+__all__ = ["check_rules", "open_autos", "set_keys"]
+
+
+def _extra(model: type[BaseModel], name: str) -> dict[str, Any]:
+    extra = model.model_fields[name].json_schema_extra
+    return extra if isinstance(extra, dict) else {}
+
+
+def set_keys(model: BaseModel, prefix: Path_ = ()) -> Iterator[tuple[Path_, BaseModel, str]]:
+    """Every key the user wrote (recursively): (path, the model holding it, field name)."""
+    for name in model.model_fields_set:
+        if name not in type(model).model_fields:
+            continue  # an `extra="allow"` key (amp's apex options)
+        yield (*prefix, name), model, name
+        value = getattr(model, name)
+        if isinstance(value, BaseModel):
+            yield from set_keys(value, (*prefix, name))
+
+
+def open_autos(config: ZerorunConfig) -> list[str]:
+    """Dotted paths of every `"auto"` left for the training script / integration to fill."""
+    out: list[str] = []
+
+    def visit(value: Any, path: Path_) -> None:
+        if isinstance(value, str) and value == AUTO:
+            out.append(dotted(path))
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                visit(v, (*path, k))
+        elif isinstance(value, list):
+            for i, v in enumerate(value):
+                visit(v, (*path, i))
+
+    visit(config.to_dict(only_set=True), ())
+    return out
+
+
+def _is_default(model: BaseModel, name: str) -> bool:
+    info = type(model).model_fields[name]
+    value = getattr(model, name)
+    default = info.get_default(call_default_factory=True)
+    if isinstance(value, BaseModel) and isinstance(default, BaseModel):
+        return value.model_dump() == default.model_dump()
+    return bool(value == default)
+
+
+def _section_is_off(value: Any) -> bool:
+    enabled = value.get("enabled") if isinstance(value, dict) else getattr(value, "enabled", None)
+    return enabled is False
+
+
+def _notices(raw: RawConfig, config: ZerorunConfig) -> list[str]:
+    notices: list[tuple[tuple[int, int], str]] = []
+    for path, holder, name in set_keys(config):
+        if path == ("amp",) or len(path) > 1 and path[0] in _ACCEPTED_SECTIONS:
+            continue  # amp gets a warning of its own; keys inside an accepted section: one notice per section
+        if _extra(type(holder), name).get("acted_on", True):
+            continue
+        value = getattr(holder, name)
+        if _is_default(holder, name) or value is None or _section_is_off(value):
+            continue
+        if isinstance(value, BaseModel | dict):
+            text = f"{raw.where(path)}: DeepSpeed section accepted; zerorun does not act on it"
+        else:
+            text = f"{raw.where(path)} = {_show(value)}: DeepSpeed key accepted; zerorun does not act on it"
+        notices.append((raw.locations.get(path, (10**9, 0)), text))
+    return [text for _, text in sorted(notices)]
+
+
+_ACCEPTED_SECTIONS = {
+    name
+    for name, info in ZerorunConfig.model_fields.items()
+    if isinstance(info.json_schema_extra, dict) and info.json_schema_extra.get("acted_on") is False
+}
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    return repr(value) if isinstance(value, str) else str(value)
+
+
+def _stage_warnings(raw: RawConfig, config: ZerorunConfig) -> list[str]:
+    zero = config.zero_optimization
+    stage = zero.stage
+    warnings: list[str] = []
+    misplaced: dict[tuple[int, ...], list[Path_]] = {}
+    for name in zero.model_fields_set:
+        if name in ("offload_optimizer", "offload_param"):
+            continue
+        stages = _extra(type(zero), name).get("stages")
+        if stages is not None and stage not in stages:
+            misplaced.setdefault(tuple(stages), []).append(("zero_optimization", name))
+    for stages, paths in sorted(misplaced.items()):
+        paths.sort(key=lambda p: raw.locations.get(p, (0, 0)))
+        where = ", ".join(raw.where(p) for p in paths)
+        at = "stage 3" if stages == (3,) else "stages " + "/".join(str(s) for s in stages)
+        verb = "applies" if len(paths) == 1 else "apply"
+        warnings.append(f"{where}: {verb} at {at} only; ignored at stage {stage}")
+
+    param_dev = zero.offload_param.device
+    if param_dev != "none" and stage < 3:
+        warnings.append(
+            f"{raw.where(('zero_optimization', 'offload_param', 'device'))} = {param_dev!r}: parameter offload "
+            f"needs zero_optimization.stage 3 (you have {stage}); it has no effect here"
+        )
+    opt_dev = zero.offload_optimizer.device
+    if opt_dev != "none" and stage == 0:
+        warnings.append(
+            f"{raw.where(('zero_optimization', 'offload_optimizer', 'device'))} = {opt_dev!r}: optimizer offload "
+            "needs zero_optimization.stage 1, 2 or 3 (you have 0); it has no effect here"
+        )
+    return warnings
+
+
+def _nvme_rules(raw: RawConfig, config: ZerorunConfig) -> tuple[list[str], list[str]]:
+    errors: list[str] = []
+    warnings: list[str] = []
+    zero = config.zero_optimization
+    active = {"offload_optimizer": zero.stage >= 1, "offload_param": zero.stage == 3}
+    for name in ("offload_optimizer", "offload_param"):
+        section = getattr(zero, name)
+        if section.device != "nvme" or not active[name]:
+            continue
+        path = ("zero_optimization", name)
+        if not section.nvme_path:
+            errors.append(
+                f"{raw.where((*path, 'device'))} = 'nvme' needs {dotted((*path, 'nvme_path'))}: a directory on a "
+                "fast local disk of every node, e.g. /local_nvme"
+            )
+        elif not os.path.isdir(section.nvme_path):
+            warnings.append(
+                f"{raw.where((*path, 'nvme_path'))} = {section.nvme_path!r} does not exist on this machine "
+                "(fine if it exists on the training nodes)"
+            )
+    return errors, warnings
+
+
+def _precision_rules(raw: RawConfig, config: ZerorunConfig) -> tuple[list[str], list[str]]:
+    errors: list[str] = []
+    warnings: list[str] = []
+    if config.fp16.enabled is True and config.bf16.enabled is True:
+        errors.append(
+            f"{raw.where(('fp16', 'enabled'))} and {raw.where(('bf16', 'enabled'))} are both true; "
+            "choose one (bf16 on GPUs that support it, such as A100/H100; fp16 otherwise)"
+        )
+    amp_on = config.amp.enabled
+    if amp_on is True or amp_on == AUTO:
+        others = [s for s in ("fp16", "bf16") if getattr(config, s).enabled in (True, AUTO)]
+        if others:
+            warnings.append(
+                f"{raw.where(('amp', 'enabled'))} = {_show(amp_on)} together with {others[0]}.enabled: two mixed-precision "
+                f"systems at once cause dtype mismatches ('expected scalar type Half but found Float'). zerorun "
+                f"ignores amp and uses {others[0]}; remove the amp section"
+            )
+        else:
+            warnings.append(
+                f"{raw.where(('amp', 'enabled'))} = {_show(amp_on)}: zerorun does not use NVIDIA apex AMP, so this "
+                'trains in fp32; use "bf16": {"enabled": true} or "fp16": {"enabled": true} instead'
+            )
+    return errors, warnings
+
+
+def _launcher_rules(raw: RawConfig, config: ZerorunConfig) -> tuple[list[str], list[str]]:
+    errors: list[str] = []
+    warnings: list[str] = []
+    launcher = config.launcher
+    if launcher.include and launcher.exclude:
+        errors.append(
+            f"{raw.where(('launcher', 'include'))} and {raw.where(('launcher', 'exclude'))} are mutually "
+            "exclusive (as in DeepSpeed); keep one"
+        )
+    if launcher.hostfile:
+        base = raw.path.parent if raw.path is not None else None
+        hostfile = launcher.hostfile if base is None or os.path.isabs(launcher.hostfile) else str(base / launcher.hostfile)
+        if not os.path.isfile(hostfile):
+            warnings.append(
+                f"{raw.where(('launcher', 'hostfile'))} = {launcher.hostfile!r}: no such file here ({hostfile})"
+            )
+    return errors, warnings
+
+
+def check_rules(raw: RawConfig, config: ZerorunConfig) -> tuple[list[str], list[str], list[str]]:
+    """-> (errors, warnings, notices) of the rules between keys."""
+    errors: list[str] = []
+    warnings: list[str] = []
+    for rule in (_precision_rules, _nvme_rules, _launcher_rules):
+        e, w = rule(raw, config)
+        errors += e
+        warnings += w
+    warnings += _stage_warnings(raw, config)
+    return errors, warnings, _notices(raw, config)
