@@ -69,7 +69,8 @@ def resolve_batch(
     """Apply DeepSpeed's rule for a data-parallel world size (None: not known yet).
 
     Each value is an int, `"auto"` (open) or None (not given). Raises ConfigError on a
-    contradiction or an impossible division, with the arithmetic in the message.
+    contradiction or an impossible division, with the arithmetic in the message; values that
+    cannot be known yet are returned in `open` (with no batch size at all, everything is open).
     """
     if world_size is not None and world_size < 1:
         raise _err(source, f"world size must be at least 1, got {world_size}")
@@ -88,18 +89,15 @@ def resolve_batch(
     lines: list[str] = []
     derived: list[str] = []
 
-    if not given and not autos:
-        raise _err(
-            source,
-            "no batch size: set train_micro_batch_size_per_gpu (per rank) or train_batch_size (global); "
-            "train_batch_size = train_micro_batch_size_per_gpu × gradient_accumulation_steps × world size",
+    if not (train is not None or micro is not None) and not autos:
+        # Nothing fixes a batch size. Not an error here: the training script may pass one
+        # (zerorun.initialize takes a DataLoader's batch size); DeepSpeed itself would fail.
+        open_ = tuple(k for k in TRIAD if k not in given)
+        lines.append(
+            "no batch size given: set train_micro_batch_size_per_gpu (per rank) or train_batch_size (global), "
+            "or the training script must pass one"
         )
-    if given == ("gradient_accumulation_steps",) and not autos:
-        raise _err(
-            source,
-            "gradient_accumulation_steps alone does not fix a batch size: also set "
-            "train_micro_batch_size_per_gpu or train_batch_size",
-        )
+        return _result(n, None, None, accum, given, derived, open_, lines)
 
     if train is not None and micro is not None and accum is not None:
         if n is not None:

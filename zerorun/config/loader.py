@@ -79,11 +79,7 @@ def load_config(source: str | Path | dict[str, Any], world_size: int | None = No
         open_autos=open_autos(config),
         format=raw.format,
     )
-    c = config
-    if world_size is not None:
-        loaded.batch = loaded.resolve_batch(world_size)
-    elif any(v is not None for v in (c.train_batch_size, c.train_micro_batch_size_per_gpu, c.gradient_accumulation_steps)):
-        # Without a world size only contradictions among the given numbers can be found; a
-        # config with no batch size at all may still be completed by the script.
-        loaded.resolve_batch(None)
+    # Raises on contradictions among the given numbers (with a world size: on any mismatch).
+    batch = loaded.resolve_batch(world_size)
+    loaded.batch = batch if world_size is not None else None
     return loaded
