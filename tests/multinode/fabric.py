@@ -55,8 +55,9 @@ class Node:
         return {int(p) for p in out if _alive(int(p))}
 
     def job_pids(self) -> set[int]:
-        """Processes in the namespace other than the idle sshd listener."""
-        return self.pids() - self.baseline
+        """Processes of a job in this namespace: everything but sshd itself (its listener and
+        the per-connection processes it keeps until a dead TCP connection times out)."""
+        return {p for p in self.pids() - self.baseline if _comm(p) != "sshd"}
 
 
 @dataclass
@@ -89,6 +90,13 @@ def _alive(pid: int) -> bool:
         return False
     # Field 3 is the state; a zombie ("Z") or dead ("X") process is gone for our purposes.
     return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+
+
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
 
 
 def _used_subnets() -> set[str]:

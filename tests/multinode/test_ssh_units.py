@@ -1,0 +1,95 @@
+"""Pure pieces of the SSH side: ssh config resolution, command quoting, the wire codec, the
+agent's preflight answer. No network beyond binding a loopback port."""
+
+from __future__ import annotations
+
+import shlex
+import socket
+from pathlib import Path
+
+import pytest
+
+from zerorun.errors import LaunchError
+from zerorun.launch import wire
+from zerorun.launch.agent import hello
+from zerorun.launch.hosts import parse_hostfile_text
+from zerorun.launch.plan import DeviceInfo, LaunchOptions, Target, build_plan
+from zerorun.launch.ssh import SshOptions, agent_command, resolve_target
+
+
+def test_ssh_config_is_honoured(tmp_path: Path) -> None:
+    cfg = tmp_path / "config"
+    cfg.write_text(
+        "Host gpu1\n  HostName 10.1.2.3\n  Port 2222\n  User alice\n  IdentityFile ~/.ssh/cluster_key\n"
+        "  ConnectTimeout 4\n  UserKnownHostsFile /etc/cluster_hosts ~/.ssh/kh2\n"
+        "Host *\n  User bob\n"
+    )
+    t = resolve_target("gpu1", SshOptions(ssh_config=str(cfg)))
+    assert (t.hostname, t.port, t.user, t.connect_timeout) == ("10.1.2.3", 2222, "alice", 4.0)
+    assert t.identity_files == (str(Path("~/.ssh/cluster_key").expanduser()),)
+    assert t.known_hosts_files == ("/etc/cluster_hosts", str(Path("~/.ssh/kh2").expanduser()))
+    assert t.known_hosts_name == "[10.1.2.3]:2222"
+    assert t.display == "gpu1 (10.1.2.3:2222)"
+    other = resolve_target("plain-host", SshOptions(ssh_config=str(cfg), connect_timeout=1.5))
+    assert (other.hostname, other.port, other.user, other.connect_timeout) == ("plain-host", 22, "bob", 1.5)
+    assert other.known_hosts_name == "plain-host" and other.display == "plain-host"
+
+
+def test_bad_port_in_ssh_config(tmp_path: Path) -> None:
+    cfg = tmp_path / "config"
+    cfg.write_text("Host x\n  Port twenty\n")
+    with pytest.raises(LaunchError, match="Port 'twenty' for host x is not a number"):
+        resolve_target("x", SshOptions(ssh_config=str(cfg)))
+
+
+def test_agent_command_quotes_everything() -> None:
+    cwd = "/data/my dir/$(touch /tmp/x);`id`"
+    python = "/opt/py env/bin/python'; rm -rf /"
+    cmd = agent_command(python, cwd)
+    assert shlex.split(cmd) == ["cd", "--", cwd, "&&", "exec", python, "-u", "-m", "zerorun.launch.agent"]
+
+
+def test_wire_lines_and_banners() -> None:
+    line = wire.encode("out", rank=3, stream="stdout", line="héllo {json} \x00")
+    assert line.endswith(b"\n") and line.count(b"\n") == 1
+    assert wire.decode(line) == {"t": "out", "rank": 3, "stream": "stdout", "line": "héllo {json} \x00"}
+    assert wire.decode(b"Welcome to node1! Last login: ...") is None
+    assert wire.decode(b"[1, 2]") is None and wire.decode(b'{"no": "type"}') is None
+
+
+def test_plan_round_trips_through_the_wire() -> None:
+    hosts = parse_hostfile_text("n1 slots=2 GLOO_SOCKET_IFNAME=eth9\nn2 slots=1\n")
+    opts = LaunchOptions(target=Target(script="train.py", args=("--x", "a b", "$(id)")), device="cpu")
+    plan = build_plan(
+        opts,
+        hosts,
+        DeviceInfo(gpus=(), cores=8),
+        master_port=29500,
+        run_id="r1",
+        config_json='{"a": 1}',
+        node_env={"n1": {"NCCL_DEBUG": "INFO"}},
+        cwd="/work",
+    )
+    data = wire.decode(wire.encode("plan", plan=wire.plan_to_dict(plan)))
+    assert data is not None
+    again = wire.plan_from_dict(data["plan"])
+    assert again == plan
+    assert again.rank_env(again.nodes[1].ranks[0]) == plan.rank_env(plan.nodes[1].ranks[0])
+    # Unknown fields from a newer launcher are ignored, not fatal.
+    extra = wire.plan_to_dict(plan) | {"future_field": 1}
+    assert wire.plan_from_dict(extra) == plan
+
+
+def test_hello_reports_addresses_and_checks_the_port(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SSH_CONNECTION", "10.0.0.1 50000 10.0.0.7 22")
+    with socket.socket() as busy:
+        busy.bind(("", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        info = hello({"check_port": port})
+        assert info["client_addr"] == "10.0.0.1" and info["server_addr"] == "10.0.0.7"
+        assert info["error"] and f"master port {port} is already in use" in info["error"]
+    assert hello({"check_port": port})["error"] is None
+    picked = hello({"pick_port": True})
+    assert picked["error"] is None and 0 < picked["port"] < 65536
+    assert hello({})["port"] is None
