@@ -75,13 +75,15 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         raise
     except BaseException as exc:  # noqa: BLE001 - reported, printed like Python does, exit 1
+        tb = _user_frames(exc.__traceback__)
+        exc = exc.with_traceback(tb)
         events.emit(
             "error",
             type=type(exc).__name__,
             message=str(exc),
-            traceback="".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+            traceback="".join(traceback.format_exception(type(exc), exc, tb)),
         )
-        sys.excepthook(type(exc), exc, _user_frames(exc.__traceback__))
+        sys.excepthook(type(exc), exc, tb)
         sys.exit(1)
     finally:
         if events.connected():
@@ -104,7 +106,10 @@ def _run_target(args: list[str]) -> None:
 def _user_frames(tb: Any) -> Any:
     """Drop the shim's and runpy's own frames from a traceback, as `python SCRIPT` shows it."""
     ours = {os.path.abspath(__file__), os.path.abspath(runpy.__file__)}
-    while tb is not None and os.path.abspath(tb.tb_frame.f_code.co_filename) in ours:
+    while tb is not None:
+        name = tb.tb_frame.f_code.co_filename
+        if not (name.startswith("<frozen runpy") or os.path.abspath(name) in ours):
+            break
         tb = tb.tb_next
     return tb
 
@@ -222,11 +227,16 @@ def memory_snapshot() -> dict[str, Any]:
     and CUDA initialised (never imports torch), and the runtime's breakdown if registered."""
     snap: dict[str, Any] = {}
     try:
-        with open("/proc/self/statm") as fh:
-            snap["rss"] = int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        # VmRSS / VmHWM (peak) come from the same kernel counters, so peak >= current.
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith(("VmRSS:", "VmHWM:")):
+                    key = "rss" if line.startswith("VmRSS") else "rss_peak"
+                    snap[key] = int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         pass
-    snap["rss_peak"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    if "rss_peak" not in snap:
+        snap["rss_peak"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     torch = sys.modules.get("torch")
     if torch is not None:
         try:

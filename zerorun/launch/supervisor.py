@@ -439,7 +439,7 @@ class Supervisor:
             self._first_failure = msg.rank
             self._reason = "rank_failed"
             self._exit_code = exit_code_for(msg.returncode)
-            self._message = f"rank {_where(state.spec)} failed first: {describe_exit(msg.returncode)}"
+            self._message = f"rank {_where(state.spec)} failed first; the other ranks were stopped"
             self.console.note(
                 f"rank {_where(state.spec)} failed ({describe_exit(msg.returncode)}); stopping the other ranks",
                 level="error",
