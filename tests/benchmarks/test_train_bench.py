@@ -1,0 +1,222 @@
+"""The benchmark harness on CPU: a real (tiny) run end to end, plus its pure pieces.
+
+One orchestrated launch (plain + zerorun stage 2, one process each, gloo) checks that the
+harness runs, writes valid JSON per configuration, and that RESULTS.md renders from it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks import configs, memory_model, report  # noqa: E402
+from benchmarks.measure import throughput  # noqa: E402
+from benchmarks.orchestrate import LaunchOutcome, finish_record, run_launch  # noqa: E402
+from benchmarks.results import SCHEMA, import_bundle, load_records, write_record  # noqa: E402
+from benchmarks.workload import gpt_model  # noqa: E402
+
+
+def test_reference_model_is_the_issue_recipe() -> None:
+    cfg = gpt_model.get_config("1.3B")
+    assert (cfg.n_layer, cfg.d_model, cfg.n_head, cfg.vocab_size, cfg.seq_len) == (24, 2048, 16, 32000, 2048)
+    with torch.device("meta"):
+        model = gpt_model.GPT(cfg)
+    n = sum(p.numel() for p in model.parameters())
+    assert n == gpt_model.count_parameters(cfg) == 1_343_426_560
+    assert all(m.bias is None for m in model.modules() if isinstance(m, torch.nn.Linear))
+    assert model.head.weight is not model.tok_emb.weight  # untied
+    # 72·L·d² + 12·L·s·d + 6·V·d
+    assert gpt_model.flops_per_token(cfg) == 72 * 24 * 2048**2 + 12 * 24 * 2048 * 2048 + 6 * 32000 * 2048
+
+
+def test_synthetic_batches_are_reproducible_per_step_and_rank() -> None:
+    cfg = gpt_model.get_config("tiny")
+    a = gpt_model.SyntheticTokens(cfg, 3, "cpu", seed=7)
+    b = gpt_model.SyntheticTokens(cfg, 3, "cpu", seed=7)
+    x5, y5 = a.batch(5)
+    b.batch(0)  # what came before does not matter
+    assert torch.equal(b.batch(5)[0], x5)
+    assert torch.equal(x5[:, 1:], y5[:, :-1])
+    assert x5.shape == (3, cfg.seq_len) and int(x5.max()) < cfg.vocab_size
+    other_rank = gpt_model.SyntheticTokens(cfg, 3, "cpu", seed=7, rank=1)
+    assert not torch.equal(other_rank.batch(5)[0], x5)
+
+
+def test_select_presets_and_unknown_names() -> None:
+    chosen, notes = configs.select("quick,zero3", world_size=1)
+    assert [c.name for c in chosen] == ["plain", "fsdp2", "zero2", "zero3"]
+    chosen, notes = configs.select("full", world_size=1)
+    assert "ddp" not in [c.name for c in chosen] and any("ddp" in n for n in notes)
+    assert "ddp" in [c.name for c in configs.select("full", world_size=2)[0]]
+    with pytest.raises(ValueError, match="zero9"):
+        configs.select("plain,zero9", world_size=1)
+    ds = configs.zerorun_ds_config(
+        configs.CATALOGUE["zero3_offload_param"],
+        micro_batch=8,
+        lr=1e-4,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+        weight_decay=0.01,
+        override={"zero_optimization": {"reduce_bucket_size": 123}},
+    )
+    zero = ds["zero_optimization"]
+    assert (
+        zero["stage"] == 3 and zero["offload_param"]["device"] == "cpu" and zero["reduce_bucket_size"] == 123
+    )
+    assert zero["offload_optimizer"]["device"] == "cpu" and ds["bf16"]["enabled"] is True
+
+
+def test_zero_formulas_follow_contract_4() -> None:
+    psi, n = 1000, 4
+    assert memory_model.model_state_bytes(psi, n, 0)["gpu"]["total"] == 18 * psi
+    assert memory_model.model_state_bytes(psi, n, 1)["gpu"]["total"] == 6 * psi + 12 * psi / n
+    assert memory_model.model_state_bytes(psi, n, 2)["gpu"]["total"] == 2 * psi + 16 * psi / n
+    assert memory_model.model_state_bytes(psi, n, 2, grad_bytes=2)["gpu"]["total"] == 2 * psi + 14 * psi / n
+    assert memory_model.model_state_bytes(psi, n, 3)["gpu"]["total"] == 18 * psi / n
+    off = memory_model.model_state_bytes(psi, n, 3, offload_optimizer=True, offload_param=True)
+    assert off["gpu"]["total"] == 0 and off["host"]["total"] == 18 * psi / n
+    with pytest.raises(ValueError):
+        memory_model.model_state_bytes(psi, n, 2, offload_param=True)
+    assert memory_model.reported_gpu_buffer_bytes({"gpu": {"params": 5, "buffers": {"a": 2, "b": 3}}}) == 5
+    assert memory_model.reported_gpu_buffer_bytes({"buffers": 7}) == 7
+    assert memory_model.reported_gpu_buffer_bytes({"params": 1}) is None
+
+
+def test_throughput_and_mfu() -> None:
+    t = throughput(
+        [0.5, 0.3, 0.4], tokens_per_step=4096, world_size=2, flops_per_token=1e9, peak_flops_per_gpu=1e12
+    )
+    assert t["step_time_median_s"] == 0.4
+    assert t["tokens_per_s"] == pytest.approx(10240) and t["tokens_per_s_per_gpu"] == pytest.approx(5120)
+    assert t["mfu"] == pytest.approx(5120 * 1e9 / 1e12)
+
+
+def _rec(config: str, tps: float, loss: float, mem: int, repeat: int = 1, world: int = 1) -> dict:
+    return {
+        "schema": SCHEMA,
+        "run_id": "r1",
+        "config": config,
+        "mode": "throughput",
+        "repeat": repeat,
+        "status": "ok",
+        "world_size": world,
+        "tokens_per_s_per_gpu": tps,
+        "tokens_per_s": tps * world,
+        "final_loss": loss,
+        "gpu_mem_peak_allocated_bytes": mem,
+        "size": "tiny",
+    }
+
+
+def test_report_ratios_noise_band_and_loss_check() -> None:
+    recs = [
+        _rec("plain", 100.0, 5.0, 50),
+        _rec("plain", 110.0, 5.0, 50, repeat=2),
+        _rec("fsdp2", 120.0, 5.01, 40),
+        _rec("zero2", 115.0, 5.02, 30),
+        _rec("zero3", 60.0, 6.0, 20),
+        {
+            "schema": SCHEMA,
+            "run_id": "r1",
+            "config": "zero2_offload_opt",
+            "status": "timeout",
+            "error": "no result within the 60 s deadline; killed",
+            "mode": "throughput",
+        },
+    ]
+    mean, band, loss = report.baseline(recs)
+    assert mean == 105.0 and band == pytest.approx(10 / 105) and loss == 5.0
+    md = report.render(recs)
+    assert "| zero2 | ok |" in md and "| 1.10 | 0.96 | 0.75 |" in md  # × plain, × FSDP2, mem ÷ FSDP2
+    # 115/120 = 0.958 is inside the 9.5 % band: meets "not below FSDP2"; zero3 (0.5×) does not.
+    assert "`zero2`: speed 0.96× FSDP2 ✓" in md and "`zero3`: speed 0.50× FSDP2 ✗" in md
+    assert "6.0000 ✗" in md and "5.0200 ✓" in md
+    assert "**timeout** — no result within the 60 s deadline" in md
+    assert "not yet measured" in md  # no multi-GPU run yet, and the page says so
+
+
+def test_bundle_round_trip_skips_torn_line(tmp_path: Path) -> None:
+    bundle = tmp_path / "b.jsonl"
+    write_record(tmp_path / "a", _rec("plain", 1.0, 1.0, 1), bundle)
+    write_record(tmp_path / "a", _rec("zero1", 1.0, 1.0, 1), bundle)
+    with open(bundle, "a") as f:
+        f.write('{"schema": "zerorun-bench/1", "run_id": "r1", "conf')  # killed mid-write
+    written = import_bundle(bundle, tmp_path / "b")
+    assert sorted(p.name for p in written) == ["r1__plain.json", "r1__zero1.json"]
+    assert len(load_records([tmp_path / "b"])) == 2
+
+
+def test_hung_configuration_is_killed_and_recorded(tmp_path: Path) -> None:
+    out = run_launch(
+        [sys.executable, "-c", "import time; print('started', flush=True); time.sleep(60)"],
+        {},
+        timeout_s=1.5,
+        prefix="[hang]",
+        echo=False,
+    )
+    assert out.timed_out and out.wall_s < 15 and "started" in out.tail
+    rec = finish_record(tmp_path / "missing.json", out, {"config": "zero3", "run_id": "r"}, 1.5)
+    assert rec["status"] == "timeout" and rec["output_tail"] == ["started"]
+    crashed = finish_record(tmp_path / "missing.json", LaunchOutcome(-9, False, 1.0, []), {"config": "x"}, 9)
+    assert crashed["status"] == "crashed" and "SIGKILL" in crashed["error"]
+
+
+def test_tiny_run_end_to_end(tmp_path: Path) -> None:
+    """Real processes: plain and zerorun stage 2 on the tiny model, then RESULTS.md."""
+    out, bundle = tmp_path / "results", tmp_path / "bundle.jsonl"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [
+        sys.executable,
+        str(ROOT / "benchmarks" / "train_bench.py"),
+        "--size",
+        "tiny",
+        "--device",
+        "cpu",
+        "--configs",
+        "plain,zero2",
+        "--no-baseline-repeat",
+        "--warmup",
+        "2",
+        "--steps",
+        "10",
+        "--out",
+        str(out),
+        "--bundle",
+        str(bundle),
+        "--timeout-s",
+        "90",
+        "--quiet",
+    ]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    files = sorted(out.glob("*.json"))
+    assert [f.name.split("__")[1] for f in files] == ["plain.json", "zero2.json"]
+    recs = {r["config"]: r for r in (json.loads(f.read_text()) for f in files)}
+    plain = recs["plain"]
+    assert plain["status"] == "ok" and plain["schema"] == SCHEMA
+    assert len(plain["step_times_s"]) == 10 and plain["step_time_median_s"] > 0
+    assert plain["tokens_per_s"] == pytest.approx(4 * 64 / plain["step_time_median_s"])
+    assert plain["world_size"] == 1 and plain["torch_version"] == torch.__version__
+    assert plain["losses"][-1] < plain["losses"][0]  # the synthetic data is learnable
+    assert plain["host_rss_peak_bytes"] > 0 and plain["gpu_mem_peak_allocated_bytes"] is None  # CPU
+    zr = recs["zero2"]
+    assert zr["status"] in {"ok", "error", "unavailable"}, zr
+    if zr["status"] == "ok":  # same weights, same data, bf16 both: the same learning
+        assert zr["final_loss"] == pytest.approx(plain["final_loss"], rel=0.01)
+    else:
+        assert zr["error"]
+    assert len(bundle.read_text().splitlines()) == 2
+    md = tmp_path / "RESULTS.md"
+    assert report.main(["--results", str(out), "--out", str(md)]) == 0
+    text = md.read_text()
+    assert "| plain | ok |" in text and "zero2" in text
+    assert "plain" in proc.stdout and "x plain" in proc.stdout  # the console table at the end
