@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.launch._launch import RANK_JOB, SCRIPTS, describe, kill_tagged, run, start, wait_until_gone
+from _launch import RANK_JOB, SCRIPTS, describe, kill_tagged, run, start, wait_until_gone
 
 
 def _summary(log_dir: Path) -> dict:

@@ -277,6 +277,11 @@ def _run(options: LaunchOptions) -> int:
         node_env=node_env,
     )
     rank_filter = plan_mod.parse_rank_filter(options.ranks, plan.world_size)
+    if plan.device == "cuda" and not multinode and not devices.driver_present and not options.dry_run:
+        raise LaunchError(
+            f"--device cuda: CUDA_VISIBLE_DEVICES lists {len(devices.gpus)} GPU(s), but this machine has "
+            "no NVIDIA driver (no /proc/driver/nvidia, no nvidia-smi). Use --device cpu to run CPU ranks."
+        )
 
     if options.dry_run:
         _print_dry_run(plan, redact_env)
@@ -287,7 +292,8 @@ def _run(options: LaunchOptions) -> int:
             from zerorun.launch import ssh
         except ImportError as err:
             raise LaunchError(f"multi-node launching is not available in this build ({err}).") from err
-        runners = ssh.runners_for(plan, options)
+        # The preflight runs here; the plan it returns has the master address the nodes reach.
+        plan, runners = ssh.prepare(plan, options)
     else:
         runners = [local.LocalRunner(plan, node) for node in plan.nodes]
     console = console_mod.make_console(ranks=rank_filter)
