@@ -181,3 +181,31 @@ def test_dry_run_ranks_per_gpu_mapping(job: Path, capsys: pytest.CaptureFixture[
     assert code == 0, err
     assert [(r[4], r[5]) for r in _table(out)] == [("cuda:0", "5")]
     assert "backend nccl" in out
+
+
+def test_invalid_config_starts_nothing(job: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = job.parent / "ds.json"
+    bad.write_text('{"zero_optimisation": {"stage": 2}}')
+    _bad(["train.py", "--deepspeed", "ds.json"], capsys, job, "zero_optimisation", "zero_optimization")
+    _bad(["--config", "ds.json", "train.py"], capsys, job, "zero_optimisation")
+    # The batch triad is checked against the planned world size before anything starts.
+    bad.write_text('{"train_batch_size": 10, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1}')
+    _bad(["--num_gpus", "2", "train.py", "--deepspeed_config", "ds.json"], capsys, job, "10")
+
+
+def test_config_launcher_section_merges_under_the_command_line(
+    job: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    cfg = job.parent / "job.yaml"
+    cfg.write_text(
+        "zero_optimization: {stage: 1}\n"
+        "launcher:\n  num_gpus: 3\n  master_port: 29444\n  env: {FOO_FROM_CONFIG: yes-1}\n"
+    )
+    code, out, err = _launch(["--dry-run", "--config", "job.yaml", "train.py"], capsys)
+    assert code == 0, err
+    assert len(_table(out)) == 3 and "MASTER_PORT=29444" in out and "FOO_FROM_CONFIG=yes-1" in out
+    assert "ZERORUN_CONFIG=job.yaml" in out and "ZERORUN_CONFIG_JSON=<" in out
+    code, out, err = _launch(["--dry-run", "--num_gpus", "1", "--master_port", "29445", "train.py", "--config", "job.yaml"], capsys)
+    assert code == 0, err
+    assert len(_table(out)) == 1 and "MASTER_PORT=29445" in out

@@ -15,7 +15,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from _launch import RANK_JOB, SCRIPTS, describe, kill_tagged, run, start, wait_until_gone
 
 

@@ -225,7 +225,7 @@ def _run(options: LaunchOptions) -> int:
     from zerorun.launch.supervisor import Supervisor
 
     _check_target(options.target)
-    config_path, config_json, section, config_dir = _load_config(options)
+    loaded, config_path, config_json, section, config_dir = _load_config(options)
     options = options.merged(section, base_dir=config_dir)
 
     multinode = options.hostfile is not None
@@ -277,6 +277,10 @@ def _run(options: LaunchOptions) -> int:
         node_env=node_env,
     )
     rank_filter = plan_mod.parse_rank_filter(options.ranks, plan.world_size)
+    if loaded is not None:
+        # The batch triad against the real world size: a mismatch stops the job here, with
+        # the arithmetic, instead of in every rank.
+        loaded.resolve_batch(plan.world_size)
     if plan.device == "cuda" and not multinode and not devices.driver_present and not options.dry_run:
         raise LaunchError(
             f"--device cuda: CUDA_VISIBLE_DEVICES lists {len(devices.gpus)} GPU(s), but this machine has "
@@ -368,7 +372,7 @@ def _check_module(module: str) -> None:
         locations = found
 
 
-def _load_config(options: LaunchOptions) -> tuple[str | None, str | None, dict[str, Any], Path | None]:
+def _load_config(options: LaunchOptions) -> tuple[Any, str | None, str | None, dict[str, Any], Path | None]:
     """Validate the config before anything starts. (path, JSON for the ranks, the launcher
     section as given, the config's directory)."""
     from zerorun.launch.plan import find_config_argument
@@ -378,7 +382,7 @@ def _load_config(options: LaunchOptions) -> tuple[str | None, str | None, dict[s
     if path is None and in_script is not None:
         path = in_script[1]
     if path is None:
-        return None, None, {}, None
+        return None, None, None, {}, None
     if not Path(path).exists():
         where = f"the script's {in_script[0]} argument" if options.config is None and in_script else "--config"
         raise ConfigError(f"config file {path} (from {where}) does not exist.")
@@ -387,9 +391,10 @@ def _load_config(options: LaunchOptions) -> tuple[str | None, str | None, dict[s
     except ImportError as err:  # the config package is still being built
         raise ConfigError(f"cannot load configs in this build ({err}).") from err
     loaded = load_config(path)
-    printer = _stderr_note
-    for w in getattr(loaded, "warnings", []):
-        printer(f"config {path}: warning: {w}")
+    for w in loaded.warnings:
+        _stderr_note(f"config {path}: warning: {w}")
+    for n in loaded.notices:
+        _stderr_note(f"config {path}: {n}")
     config = loaded.config
     section_model = getattr(config, "launcher", None)
     section: dict[str, Any] = {}
@@ -400,7 +405,7 @@ def _load_config(options: LaunchOptions) -> tuple[str | None, str | None, dict[s
         config_json = to_json()
     else:
         config_json = config.model_dump_json(exclude_unset=True)
-    return str(path), config_json, section, Path(path).resolve().parent
+    return loaded, str(path), config_json, section, Path(path).resolve().parent
 
 
 def _stderr_note(text: str) -> None:
