@@ -1,0 +1,196 @@
+"""One rank of the equivalence matrix: every case in one launch, reference computed on rank 0.
+
+argv: OUT_JSON. Rank 0 writes {case name: result}. Run by test_equivalence.py via _spawn.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+import zlib
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _cases  # noqa: E402
+import _models  # noqa: E402
+
+import zerorun  # noqa: E402
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def config_for(case: _cases.Case) -> dict:
+    cfg: dict = {
+        "train_micro_batch_size_per_gpu": _cases.MICRO_BATCH,
+        "gradient_accumulation_steps": case.accum,
+        "gradient_clipping": case.clip,
+        "optimizer": {"type": "AdamW", "params": {"lr": _cases.LR, "weight_decay": _cases.WEIGHT_DECAY}},
+        "zero_optimization": {"stage": case.stage, "reduce_bucket_size": _cases.BUCKET},
+        "steps_per_print": 1000,
+    }
+    if case.dtype == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    if case.dtype == "fp16":
+        cfg["fp16"] = {"enabled": True, "initial_scale_power": 10, "hysteresis": 2, "loss_scale_window": 2}
+    return cfg
+
+
+def full_masters(engine) -> dict[str, torch.Tensor]:
+    """All-gather every rank's fp32 master shards and cut them into named parameters."""
+    state = engine.stage.state
+    out = {}
+    for layout, master in zip(state.layouts, state.masters, strict=True):
+        full = torch.empty(layout.padded_numel, dtype=torch.float32)
+        if layout.num_shards > 1:
+            dist.all_gather_into_tensor(full, master.detach().float().contiguous())
+        else:
+            full.copy_(master.detach().float())
+        for slot in layout.slots:
+            out[slot.name] = full[slot.offset : slot.offset + slot.numel].view(slot.shape).clone()
+    return out
+
+
+def model_state_terms(engine, case: _cases.Case, world: int) -> tuple[dict, dict]:
+    """Bytes of the four model-state terms this rank holds for the trainable parameters, and
+    what zerorun.estimate (Contract 4) says for the same count and config."""
+    from zerorun.estimate import model_state_bytes
+    from zerorun.runtime.memory import MemoryLedger
+
+    ledger = MemoryLedger()
+    parts = engine.stage.memory_tensors()
+    for term in ("params", "master", "grads", "optimizer_states"):
+        ledger.add(term, parts[term])
+    measured = next(iter(ledger.summary().values()))
+    numel = sum(layout.numel for layout in engine.stage.layouts)
+    est = model_state_bytes(numel, world, config_for(case))
+    return measured, dict(est.terms["gpu"])
+
+
+def run_case(case: _cases.Case, rank: int, world: int) -> dict | None:
+    seed = 1234 + zlib.crc32(case.name.encode()) % 1000  # hash() differs between processes
+    model = _models.make_model(seed)
+    ref_model = _models.make_model(seed)
+    engine, optimizer, _, _ = zerorun.initialize(model=model, config=config_for(case))
+    reducer = engine.stage.reducer
+    n_buckets = len(engine.stage.layouts)
+    inject = {tuple(x) for x in case.inject}
+    losses, norms, scales_before, scales_after, checksums = [], [], [], [], []
+    for step in range(case.steps):
+        scales_before.append(engine.get_loss_scale())
+        before = torch.cat([p.detach().float().reshape(-1) for p in model.parameters()]).sum().item()
+        for micro in range(case.accum):
+            ids, tgt = _models.batch(seed, step, micro, rank, _cases.MICRO_BATCH)
+            loss = engine(ids, tgt)
+            losses.append((step, micro, loss.item()))
+            engine.backward(loss * math.inf if (step, rank) in inject else loss)
+            engine.step()
+        norms.append(engine.get_global_grad_norm())
+        scales_after.append(engine.get_loss_scale())
+        after = torch.cat([p.detach().float().reshape(-1) for p in model.parameters()]).sum().item()
+        checksums.append((before, after))
+    memory = engine.memory_summary()
+    measured, estimated = model_state_terms(engine, case, world)
+    masters = full_masters(engine)
+    shard_numel = sum(layout.shard_numel for layout in engine.stage.layouts)
+    result = {
+        "rank": rank,
+        "losses": losses,
+        "norms": norms,
+        "scales_before": scales_before,
+        "scales_after": scales_after,
+        "checksums": checksums,
+        "skipped_steps": engine.skipped_steps,
+        "global_steps": engine.global_steps,
+        "n_buckets": n_buckets,
+        "launches": reducer.launches,
+        "launched_during_backward": reducer.launched_during_backward,
+        "memory": memory,
+        "measured": measured,
+        "estimated": estimated,
+        "tied_kept": model.head.weight is model.emb.weight,
+        "shard_numel": shard_numel,
+        "trainable_numel": sum(layout.numel for layout in engine.stage.layouts),
+        "padded_numel": sum(layout.padded_numel for layout in engine.stage.layouts),
+    }
+    gathered = [None] * world
+    dist.all_gather_object(gathered, result)
+    compute_params = {n: p.detach().float().clone() for n, p in model.named_parameters()}
+    engine.destroy()
+    if rank != 0:
+        return None
+
+    ref = _models.reference_train(
+        ref_model,
+        dtype=DTYPES[case.dtype],
+        world=world,
+        steps=case.steps,
+        accum=case.accum,
+        micro_batch=_cases.MICRO_BATCH,
+        case_seed=seed,
+        clip=case.clip,
+        lr=_cases.LR,
+        weight_decay=_cases.WEIGHT_DECAY,
+        scales=gathered[0]["scales_before"] if case.dtype == "fp16" else None,
+        inject=inject,
+    )
+    ref_losses = [[ref.losses[s][m][r] for (s, m, _l) in gathered[r]["losses"]] for r in range(world)]
+    got_losses = [[v for (_s, _m, v) in g["losses"]] for g in gathered]
+    trainable = set(masters)
+    return {
+        "ranks": gathered,
+        "got_losses": got_losses,
+        "ref_losses": ref_losses,
+        "ref_norms": ref.norms,
+        "ref_skipped": ref.skipped,
+        "master_err": {
+            n: [float((masters[n] - ref.master[n]).abs().max()), float(ref.master[n].abs().max())]
+            for n in trainable
+        },
+        "compute_err": {
+            n: [
+                float((compute_params[n] - ref.compute[n].float()).abs().max()),
+                float(ref.compute[n].float().abs().max()),
+            ]
+            for n in ref.compute
+        },
+        "frozen_unchanged": bool(
+            torch.equal(
+                compute_params["frozen.weight"],
+                _models.make_model(seed).frozen.weight.to(DTYPES[case.dtype]).float(),
+            )
+        ),
+    }
+
+
+def main() -> None:
+    out_path = Path(sys.argv[1])
+    only = set(sys.argv[2].split(",")) if len(sys.argv) > 2 and sys.argv[2] else None
+    torch.use_deterministic_algorithms(True)
+    # The process group is created by the first initialize and reused by every later one.
+    rank = int(__import__("os").environ["RANK"])
+    world = int(__import__("os").environ["WORLD_SIZE"])
+    results = {}
+    t0 = time.monotonic()
+    for case in _cases.matrix(world):
+        if only and case.name not in only:
+            continue
+        t = time.monotonic()
+        r = run_case(case, rank, world)
+        if r is not None:
+            r["seconds"] = time.monotonic() - t
+            results[case.name] = r
+    if rank == 0:
+        results["_total_seconds"] = time.monotonic() - t0
+        out_path.write_text(json.dumps(results))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
