@@ -47,9 +47,13 @@ class LoadedConfig:
 
 def _fail(raw: RawConfig, problems: list[str]) -> ConfigError:
     if len(problems) == 1:
-        return ConfigError(f"{raw.name}: {problems[0]}")
-    listing = "\n".join(f"  - {p}" for p in problems)
-    return ConfigError(f"{raw.name}: {len(problems)} problems:\n{listing}")
+        err = ConfigError(f"{raw.name}: {problems[0]}")
+    else:
+        listing = "\n".join(f"  - {p}" for p in problems)
+        err = ConfigError(f"{raw.name}: {len(problems)} problems:\n{listing}")
+    # One line per problem, for machine-readable output (`print-config --json`).
+    err.problems = [f"{raw.name}: {p}" for p in problems]  # type: ignore[attr-defined]
+    return err
 
 
 def load_config(source: str | Path | dict[str, Any], world_size: int | None = None) -> LoadedConfig:

@@ -1,0 +1,385 @@
+"""The ZeRO memory model: bytes of model states per GPU and per host (docs/architecture.md, Contract 4).
+
+Ψ = trainable parameters, N = data-parallel ranks. Four terms, each either replicated (×Ψ)
+or partitioned (×Ψ/N) depending on the stage, and each on a device (GPU, host memory, NVMe)
+depending on offload:
+
+    params            16-bit parameters (fp32 in fp32 training)   ÷N at stage 3
+    grads             gradients (fp32 unless communication_data_type is 16-bit)  ÷N at stages 2-3
+    master            fp32 master weights (none in fp32 training)  ÷N at stages 1-3
+    optimizer_states  e.g. Adam's m and v, 8 bytes per element      ÷N at stages 1-3
+
+`offload_optimizer` moves master and optimizer_states to the host (NVMe with device nvme)
+and, at stages 2-3, the gradient slices too (they are copied out as they are reduced);
+`offload_param` (stage 3) moves the parameter slices. The term names are those of the
+runtime's memory ledger (`zerorun/runtime/memory.py`), so measured bytes compare term by term.
+
+Buffers (buckets, prefetch, gathered parameters) are a separate term and an upper bound:
+what the config allows zerorun to hold, capped at the model's size. Activations are not
+model states and are not estimated. Partitioned terms are exactly Ψ/N; the runtime's padding
+(less than one element per rank and flat buffer) is not included.
+
+Pure arithmetic: no torch, importable by the launcher and the CLI.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+__all__ = [
+    "TERMS",
+    "BytesPerElement",
+    "Estimate",
+    "model_state_bytes",
+    "optimizer_state_bytes",
+    "estimate_table",
+    "GB",
+    "GIB",
+    "parse_count",
+]
+
+TERMS = ("params", "grads", "master", "optimizer_states")
+DEVICES = ("gpu", "cpu", "nvme")
+GB = 1e9
+GIB = float(2**30)
+Offload = Literal["none", "cpu", "nvme"]
+
+# Optimizer state bytes per trainable element (fp32 states), by lower-case optimizer name.
+_OPTIMIZER_STATE_BYTES: dict[str, int] = {
+    "adam": 8, "adamw": 8, "fusedadam": 8, "cpuadam": 8, "deepspeedcpuadam": 8, "lamb": 8,
+    "onebitadam": 8, "zerooneadam": 8, "onebitlamb": 8, "sparseadam": 8, "adamax": 8, "nadam": 8,
+    "radam": 8, "adadelta": 8, "rprop": 8, "muadam": 8, "muadamw": 8,
+    "adagrad": 4, "lion": 4, "asgd": 4, "muon": 4, "musgd": 4, "adafactor": 0,
+}  # fmt: skip
+
+
+def optimizer_state_bytes(name: str | None, params: Mapping[str, Any] | None = None) -> tuple[int, str | None]:
+    """Bytes of optimizer state per element for an optimizer config -> (bytes, note or None).
+
+    SGD keeps a momentum buffer only with momentum > 0; RMSprop adds one for momentum and one
+    for `centered`; Adam-family `amsgrad` adds the running maximum.
+    """
+    params = dict(params or {})
+    if name is None:
+        return 8, "no optimizer in the config: Adam/AdamW assumed (8 bytes per element)"
+    key = name.lower()
+    if key == "sgd":
+        momentum = params.get("momentum", 0)
+        return (4 if isinstance(momentum, int | float) and momentum > 0 else 0), None
+    if key == "rmsprop":
+        extra = 4 if isinstance(params.get("momentum", 0), int | float) and params.get("momentum", 0) > 0 else 0
+        return 4 + extra + (4 if params.get("centered") is True else 0), None
+    if key in _OPTIMIZER_STATE_BYTES:
+        base = _OPTIMIZER_STATE_BYTES[key]
+        if params.get("amsgrad") is True and key in ("adam", "adamw"):
+            base += 4
+        note = None
+        if key == "adafactor":
+            note = "Adafactor keeps factored (row/column) states: counted as 0 bytes per element"
+        if key == "muon":
+            note = "Muon: 4 bytes (momentum) per element; its Adam-updated parameters need 8"
+        return base, note
+    return 8, f"optimizer {name!r}: state size unknown, 8 bytes per element (Adam) assumed"
+
+
+@dataclass(frozen=True)
+class BytesPerElement:
+    """Bytes per parameter element of each term: the precision and optimizer policy."""
+
+    params: int
+    grads: int
+    master: int
+    optimizer_states: int
+    precision: str  # "bf16", "fp16", "fp32" or "paper" (the ZeRO paper's 2 + 2 + 12)
+    optimizer: str
+    notes: tuple[str, ...] = ()
+
+    @classmethod
+    def paper(cls) -> BytesPerElement:
+        """The ZeRO paper's model: mixed-precision Adam, 2Ψ + 2Ψ + KΨ with K = 12."""
+        return cls(2, 2, 4, 8, precision="paper", optimizer="Adam")
+
+    @classmethod
+    def from_config(cls, config: Any) -> BytesPerElement:
+        """Follow a config's precision, communication dtype and optimizer (Contract 4)."""
+        notes: list[str] = []
+        fp16, bf16 = config.fp16.enabled, config.bf16.enabled
+        if fp16 is True or bf16 is True:
+            precision = "fp16" if fp16 is True else "bf16"
+        elif "auto" in (fp16, bf16):
+            precision = "bf16" if bf16 == "auto" else "fp16"
+            notes.append(f"{precision}.enabled is \"auto\": 16-bit mixed precision assumed")
+        else:
+            precision = "fp32"
+        opt = config.optimizer
+        state_bytes, note = optimizer_state_bytes(
+            opt.canonical_type if opt is not None else None, opt.params if opt is not None else None
+        )
+        if note:
+            notes.append(note)
+        name = opt.canonical_type if opt is not None else "Adam (assumed)"
+        if precision == "fp32":
+            return cls(4, 4, 0, state_bytes, precision="fp32", optimizer=name, notes=tuple(notes))
+        grads = 2 if config.communication_data_type in ("fp16", "bf16") else 4
+        return cls(2, grads, 4, state_bytes, precision=precision, optimizer=name, notes=tuple(notes))
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.master + self.optimizer_states
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Per-rank bytes of model states by device and term, plus buffers (upper bounds)."""
+
+    num_params: int
+    world_size: int
+    stage: int
+    offload_optimizer: Offload
+    offload_param: Offload
+    bytes_per_element: BytesPerElement
+    terms: dict[str, dict[str, float]]  # device -> term -> bytes per rank
+    buffers: dict[str, dict[str, float]] = field(default_factory=dict)  # device -> buffer -> bytes
+    formulas: dict[str, str] = field(default_factory=dict)  # term -> "2Ψ/N" (with its device)
+    notes: tuple[str, ...] = ()
+
+    def model_states(self, device: str) -> float:
+        """Bytes of model states on `device` ("gpu", "cpu", "nvme") per rank."""
+        return sum(self.terms.get(device, {}).values())
+
+    def buffer_bytes(self, device: str) -> float:
+        return sum(self.buffers.get(device, {}).values())
+
+    def total(self, device: str, *, with_buffers: bool = True) -> float:
+        return self.model_states(device) + (self.buffer_bytes(device) if with_buffers else 0.0)
+
+    def formula(self, device: str) -> str:
+        """The model states on `device` as a formula: '2Ψ + 14Ψ/N' (replicated + partitioned)."""
+        whole = part = 0
+        for term, text in self.formulas.items():
+            if not text.endswith(f" on {device}"):
+                continue
+            width = getattr(self.bytes_per_element, term)
+            if "/N" in text:
+                part += width
+            else:
+                whole += width
+        pieces = ([f"{whole}Ψ"] if whole else []) + ([f"{part}Ψ/N"] if part else [])
+        return " + ".join(pieces) or "0"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "num_params": self.num_params,
+            "world_size": self.world_size,
+            "stage": self.stage,
+            "offload_optimizer": self.offload_optimizer,
+            "offload_param": self.offload_param,
+            "precision": self.bytes_per_element.precision,
+            "optimizer": self.bytes_per_element.optimizer,
+            "bytes_per_element": {t: getattr(self.bytes_per_element, t) for t in TERMS},
+            "per_rank": {
+                d: {**self.terms.get(d, {}), "total": self.model_states(d)} for d in DEVICES
+            },
+            "buffers_per_rank": {d: {**self.buffers.get(d, {}), "total": float(self.buffer_bytes(d))} for d in DEVICES},
+            "formulas": dict(self.formulas),
+            "formula_per_device": {d: self.formula(d) for d in DEVICES},
+            "notes": list(self.notes),
+            "activations": "not included",
+        }
+
+
+def _as_config(config: Any) -> Any:
+    if config is None:
+        return None
+    if hasattr(config, "zero_optimization"):
+        return config
+    if hasattr(config, "config"):  # LoadedConfig
+        return config.config
+    if isinstance(config, Mapping):
+        from zerorun.config import load_config
+
+        return load_config(dict(config)).config
+    raise TypeError(f"config must be a ZerorunConfig, LoadedConfig or dict, not {type(config).__name__}")
+
+
+def _size(value: Any, default: int) -> int:
+    return default if value == "auto" or value is None else int(value)
+
+
+def model_state_bytes(
+    num_params: int,
+    world_size: int,
+    config: Any = None,
+    *,
+    stage: int | None = None,
+    offload_optimizer: Offload | None = None,
+    offload_param: Offload | None = None,
+    largest_layer: int | None = None,
+    bytes_per_element: BytesPerElement | None = None,
+) -> Estimate:
+    """Bytes per rank of params / grads / master / optimizer_states on GPU, CPU and NVMe.
+
+    `config` (a ZerorunConfig, LoadedConfig or DeepSpeed dict) gives the precision, optimizer,
+    stage, offload and bucket sizes; keyword arguments override it. Without a config: the
+    ZeRO paper's model (2 + 2 + 12 bytes per element), stage 0, no offload, DeepSpeed's
+    default buckets. `largest_layer` (elements) adds the stage-3 working set of one gathered
+    layer to the GPU buffers.
+    """
+    if num_params < 0:
+        raise ValueError(f"num_params must be >= 0, got {num_params}")
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    cfg = _as_config(config)
+    zero = cfg.zero_optimization if cfg is not None else None
+    bpe = bytes_per_element or (BytesPerElement.from_config(cfg) if cfg is not None else BytesPerElement.paper())
+    stage = stage if stage is not None else (zero.stage if zero is not None else 0)
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage}")
+    opt_dev: Offload = offload_optimizer or (zero.offload_optimizer.device if zero is not None else "none")
+    par_dev: Offload = offload_param or (zero.offload_param.device if zero is not None else "none")
+    notes = list(bpe.notes)
+    # Offload has an effect only where the stage partitions the term (DeepSpeed's rule too).
+    if stage == 0 and opt_dev != "none":
+        notes.append("offload_optimizer has no effect at stage 0")
+        opt_dev = "none"
+    if stage < 3 and par_dev != "none":
+        notes.append("offload_param has no effect below stage 3")
+        par_dev = "none"
+
+    psi, n = float(num_params), world_size
+    partitioned = {
+        "params": stage >= 3,
+        "grads": stage >= 2,
+        "master": stage >= 1,
+        "optimizer_states": stage >= 1,
+    }
+    terms: dict[str, dict[str, float]] = {d: dict.fromkeys(TERMS, 0.0) for d in DEVICES}
+    formulas: dict[str, str] = {}
+    placement = {"params": "gpu", "grads": "gpu", "master": "gpu", "optimizer_states": "gpu"}
+    if opt_dev != "none":
+        placement["master"] = placement["optimizer_states"] = "cpu" if opt_dev == "cpu" else "nvme"
+        if stage >= 2:
+            placement["grads"] = "cpu"  # the CPU optimizer reads the slices in host memory
+    if par_dev != "none":
+        placement["params"] = "cpu" if par_dev == "cpu" else "nvme"
+    for term in TERMS:
+        width = getattr(bpe, term)
+        count = psi / n if partitioned[term] else psi
+        terms[placement[term]][term] = width * count
+        formulas[term] = f"{width}Ψ{'/N' if partitioned[term] and width else ''} on {placement[term]}"
+
+    buffers = _buffers(num_params, stage, bpe, zero, opt_dev, par_dev, n, largest_layer, notes)
+    if stage == 3 and zero is not None and zero.stage3_param_persistence_threshold not in (0, "auto"):
+        notes.append(
+            "stage 3 keeps parameters smaller than stage3_param_persistence_threshold unpartitioned "
+            "(not counted: depends on the model's shapes)"
+        )
+    return Estimate(
+        num_params=num_params,
+        world_size=world_size,
+        stage=stage,
+        offload_optimizer=opt_dev,
+        offload_param=par_dev,
+        bytes_per_element=bpe,
+        terms=terms,
+        buffers=buffers,
+        formulas=formulas,
+        notes=tuple(notes),
+    )
+
+
+def _buffers(
+    num_params: int,
+    stage: int,
+    bpe: BytesPerElement,
+    zero: Any,
+    opt_dev: str,
+    par_dev: str,
+    n: int,
+    largest_layer: int | None,
+    notes: list[str],
+) -> dict[str, dict[str, float]]:
+    """Upper bounds of the buffers the config sizes, capped at the model (a bucket never
+    holds more than every element)."""
+    psi = num_params
+    reduce = _size(zero.reduce_bucket_size if zero else None, 500_000_000)
+    allgather = _size(zero.allgather_bucket_size if zero else None, 500_000_000)
+    prefetch = _size(zero.stage3_prefetch_bucket_size if zero else None, 50_000_000)
+    live = _size(zero.stage3_max_live_parameters if zero else None, 1_000_000_000)
+    if zero is not None and "auto" in (zero.reduce_bucket_size, zero.stage3_prefetch_bucket_size):
+        notes.append("bucket sizes set to \"auto\": DeepSpeed's defaults assumed")
+    gpu: dict[str, float] = {"reduce_bucket": float(min(reduce, psi) * bpe.grads)}
+    if stage in (1, 2):
+        gpu["allgather_bucket"] = float(min(allgather, psi) * bpe.params)
+    if stage == 3:
+        gpu["prefetch_bucket"] = float(min(prefetch, psi) * bpe.params)
+        gpu["live_params"] = float(min(live, psi) * bpe.params)
+        if largest_layer:
+            # One layer gathered whole, with its full gradient before the reduce-scatter.
+            gpu["largest_layer"] = float(largest_layer * (bpe.params + bpe.grads))
+    cpu: dict[str, float] = {}
+    if par_dev == "nvme" and zero is not None:
+        cpu["nvme_param_staging"] = float(zero.offload_param.buffer_count * zero.offload_param.buffer_size * bpe.params)
+    if opt_dev == "nvme" and zero is not None:
+        tile = min(_size(zero.sub_group_size, 1_000_000_000), -(-psi // n))
+        cpu["nvme_optimizer_staging"] = float(zero.offload_optimizer.buffer_count * tile * 4)
+    return {"gpu": gpu, "cpu": cpu, "nvme": {}}
+
+
+def estimate_table(
+    num_params: int,
+    gpus_per_node: int,
+    nodes: int,
+    config: Any = None,
+    *,
+    largest_layer: int | None = None,
+) -> list[tuple[int, str, Estimate]]:
+    """Every stage × offload choice for one cluster shape: [(stage, offload label, Estimate)].
+
+    Offload labels: "none", "optimizer" (offload_optimizer cpu), "optimizer+params" (both on
+    the CPU; stage 3 only). With a config, its precision, optimizer and buckets are used.
+    """
+    world = gpus_per_node * nodes
+    rows: list[tuple[int, str, Estimate]] = []
+    for stage in (0, 1, 2, 3):
+        choices: list[tuple[str, Offload, Offload]] = [("none", "none", "none")]
+        if stage >= 1:
+            choices.append(("optimizer", "cpu", "none"))
+        if stage == 3:
+            choices.append(("optimizer+params", "cpu", "cpu"))
+        for label, opt, par in choices:
+            est = model_state_bytes(
+                num_params,
+                world,
+                config,
+                stage=stage,
+                offload_optimizer=opt,
+                offload_param=par,
+                largest_layer=largest_layer,
+            )
+            rows.append((stage, label, est))
+    return rows
+
+
+_SUFFIXES = {"k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
+
+
+def parse_count(text: str | int | float) -> int:
+    """A parameter count as people write it: 7.5e9, 7.5B, 350M, 1.3b, 7_000_000_000."""
+    if isinstance(text, int | float) and not isinstance(text, bool):
+        value = float(text)
+    else:
+        t = str(text).strip().replace("_", "").replace(",", "")
+        scale = 1
+        if t and t[-1].lower() in _SUFFIXES:
+            scale = _SUFFIXES[t[-1].lower()]
+            t = t[:-1]
+        try:
+            value = float(t) * scale
+        except ValueError:
+            raise ValueError(f"{text!r} is not a count; write e.g. 7.5e9, 7.5B or 350M") from None
+    if not value >= 0 or value != value or value == float("inf"):
+        raise ValueError(f"{text!r} is not a non-negative count")
+    return int(round(value))
