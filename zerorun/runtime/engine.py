@@ -246,6 +246,39 @@ class Engine:
         peak: Callable[[], int] | None = getattr(self.stage, "buffer_peak_bytes", None)
         return {str(self.device): int(peak())} if peak is not None else {}
 
+    # -- checkpoints: all in runtime/checkpoint/ (docs/checkpoints.md); collective calls -------
+    def save_checkpoint(
+        self, save_dir: str, tag: Any = None, client_state: dict[str, Any] | None = None, save_latest: bool = True
+    ) -> bool:
+        from zerorun.runtime.checkpoint import engine_view
+
+        engine_view.save(self, save_dir, tag, client_state, save_latest)
+        return True  # DeepSpeed's return value
+
+    def load_checkpoint(
+        self,
+        load_dir: str,
+        tag: Any = None,
+        load_optimizer_states: bool = True,
+        load_lr_scheduler_states: bool = True,
+        load_module_only: bool = False,
+    ) -> tuple[str | None, dict[str, Any] | None]:
+        from zerorun.runtime.checkpoint import engine_view
+
+        return engine_view.load(
+            self,
+            load_dir,
+            tag,
+            load_optimizer_states=load_optimizer_states,
+            load_lr_scheduler_states=load_lr_scheduler_states,
+            load_module_only=load_module_only,
+        )
+
+    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin") -> bool:
+        from zerorun.runtime.checkpoint import engine_view
+
+        return engine_view.save_16bit_model(self, save_dir, save_filename)
+
     def destroy(self) -> None:
         """Remove the hooks this engine installed (tests build many engines in one process)."""
         reducer = getattr(self.stage, "reducer", None)

@@ -49,9 +49,10 @@ class CheckpointView(Protocol):
         """Stage, precision, parameters/buffers in order, tied aliases, optimizer class,
         hyperparameters and scalar state, counters. Identical on every rank."""
 
-    def checkpoint_fragments(self, *, for_load: bool) -> list[Fragment]:
-        """Live views of what this rank holds. With ``for_load`` the optimizer states must exist
-        (created as zeros if no step ran yet) and extra load-only targets may be listed."""
+    def checkpoint_fragments(self, *, for_load: bool, kinds: set[str] | None = None) -> list[Fragment]:
+        """Live views of what this rank holds (saving reads them). With ``for_load``: tensors to
+        fill, for the state kinds in `kinds` (those the checkpoint has and the caller wants);
+        optimizer states may be fresh tensors the view hands to its optimizer afterwards."""
 
     def checkpoint_state(self) -> dict[str, Any]:
         """Small picklable objects saved by rank 0: scheduler, loss scaler, ..."""
@@ -244,7 +245,8 @@ def load_checkpoint(
         meta = reader.meta
         current = view.checkpoint_meta()
         _check_compatible(meta, current, path, with_optim)
-        for f in view.checkpoint_fragments(for_load=True):
+        wanted = {k for k in reader.kinds() if with_optim or not k.startswith(OPTIM_PREFIX)}
+        for f in view.checkpoint_fragments(for_load=True, kinds=wanted):
             if f.kind in (WEIGHT, BUFFER):
                 reader.read_into(f.name, f.kind, f.start, f.end, f.tensor)
             elif f.kind.startswith(OPTIM_PREFIX) and with_optim:

@@ -1,0 +1,137 @@
+"""Engine checkpoints with real ranks on gloo: save at world 2 stage 2, resume at other world
+sizes and stages, a rank killed mid-save, consolidation against the model's state_dict().
+
+One training job (the uninterrupted reference) is shared by every test in this module; the
+others are one launch each (a launch costs seconds on the 2-core CI machine)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from zerorun.runtime.checkpoint.consolidate import consolidate
+from zerorun.runtime.checkpoint.store import CheckpointReader
+
+from ._spawn import spawn
+
+WORKER = str(Path(__file__).with_name("_ckpt_worker.py"))
+# fp32 training: the stage tests' tolerance (relative 1e-5, small absolute term)
+RTOL, ATOL = 1e-5, 1e-6
+
+
+def _run(tmp: Path, world: int, spec: dict, *, env: dict[str, str] | None = None, name: str) -> tuple[list, dict]:
+    logs = tmp / f"logs-{name}"
+    logs.mkdir()
+    spec = dict(spec, world=world, out=str(tmp / f"{name}.json"))
+    results = spawn(world, [WORKER, json.dumps(spec)], timeout=150, env=env, log_dir=logs)
+    out = json.loads((tmp / f"{name}.json").read_text()) if (tmp / f"{name}.json").exists() else {}
+    return results, out
+
+
+def _ok(results: list) -> None:
+    for r in results:
+        assert r.returncode == 0, f"rank {r.rank} exited {r.returncode}:\n{r.output[-4000:]}"
+
+
+def _assert_losses_match(got: dict, want: dict, steps: range) -> None:
+    for s in steps:
+        assert got[str(s)] == pytest.approx(want[str(s)], rel=RTOL, abs=ATOL), (s, got, want)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """World 2, stage 2: 6 uninterrupted steps, a checkpoint after step 3 (+ the model's
+    state_dict and save_16bit_model at that point)."""
+    tmp = tmp_path_factory.mktemp("ref")
+    spec = {
+        "stage": 2, "ckpt": str(tmp / "ckpt"), "steps_to": 6, "save_at": [3],
+        "reference": str(tmp / "state_dict.pt"), "save16": str(tmp / "m16"),
+    }
+    results, out = _run(tmp, 2, spec, name="ref")
+    _ok(results)
+    assert out["save16"] is True
+    return {"tmp": tmp, "ckpt": tmp / "ckpt", "losses": out["losses"], "state_dict": tmp / "state_dict.pt"}
+
+
+def test_layout_is_deepspeeds(reference):
+    ckpt = reference["ckpt"]
+    assert (ckpt / "latest").read_text() == "global_step3"
+    names = sorted(p.name for p in (ckpt / "global_step3").iterdir())
+    assert names == [
+        "engine_state.pt", "rng_rank00000.pt", "rng_rank00001.pt",
+        "shard_rank00000.safetensors", "shard_rank00001.safetensors", "zerorun_checkpoint.json",
+    ]
+    with CheckpointReader(ckpt / "global_step3") as rd:
+        assert rd.meta.stage == 2 and rd.meta.world_size == 2
+        assert rd.meta.tied == {"head.weight": "emb.weight"}
+        assert rd.meta.counters["global_steps"] == 3
+        assert rd.kinds() == {"weight", "buffer", "optim.exp_avg", "optim.exp_avg_sq"}
+        assert rd.meta.optimizer["class"] == "AdamW"
+        assert rd.meta.optimizer["scalar_state"][0]["step"] == 3
+
+
+def test_resume_world1_stage0_matches_uninterrupted(reference, tmp_path):
+    results, out = _run(tmp_path, 1, {"stage": 0, "ckpt": str(reference["ckpt"]), "load": "", "steps_to": 6}, name="w1")
+    _ok(results)
+    assert out["loaded"].endswith("global_step3") and out["steps_after_load"] == 3
+    assert out["client_state"] == {"step": 3, "note": "resume me"}
+    assert out["samples_after_load"] == 24
+    _assert_losses_match(out["losses"], reference["losses"], range(4, 7))
+
+
+def test_rank_killed_mid_save_then_resume_at_world4(reference, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(reference["ckpt"], ckpt)
+    # rank 1 SIGKILLs itself with half of its shard written, while saving global_step4
+    spec = {"stage": 2, "ckpt": str(ckpt), "load": "", "steps_to": 4, "save_at": [4]}
+    results, out = _run(tmp_path, 2, spec, env={"ZERORUN_CHECKPOINT_CRASH": "1:mid_shard"}, name="crash")
+    assert results[1].returncode == -9, results[1].output[-3000:]
+    assert results[0].returncode == 3, results[0].output[-3000:]
+    assert "previous checkpoint" in out["save_error"]
+    assert (ckpt / "latest").read_text() == "global_step3"
+    assert not (ckpt / "global_step4").exists()
+    assert (ckpt / ".tmp-global_step4").is_dir()  # left for the next save to clean
+    # what `latest` names still loads, at another world size and stage, and training continues
+    # exactly as the uninterrupted run
+    results, out = _run(tmp_path, 4, {"stage": 1, "ckpt": str(ckpt), "load": "", "steps_to": 6}, name="w4")
+    _ok(results)
+    assert out["loaded"] == str(ckpt / "global_step3")
+    assert "ignoring .tmp-global_step4" in results[0].output
+    assert "ranks >= 2 get fresh RNG seeds" in results[2].output
+    _assert_losses_match(out["losses"], reference["losses"], range(4, 7))
+
+
+def test_crash_before_latest_keeps_latest_on_previous(reference, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(reference["ckpt"], ckpt)
+    spec = {"stage": 0, "ckpt": str(ckpt), "load": "global_step3", "steps_to": 5, "save_at": [4, 5]}
+    results, _ = _run(tmp_path, 1, spec, env={"ZERORUN_CHECKPOINT_CRASH": "0:before_latest"}, name="late")
+    assert results[0].returncode == -9
+    # the new tag is complete and loadable by name; `latest` was not moved to it
+    assert (ckpt / "latest").read_text() == "global_step3"
+    with CheckpointReader(ckpt / "global_step4") as rd:
+        assert rd.meta.counters["global_steps"] == 4 and rd.meta.world_size == 1
+
+
+def test_consolidated_equals_reference_state_dict(reference, tmp_path):
+    ref = torch.load(reference["state_dict"], weights_only=True)
+    res = consolidate(reference["ckpt"], tmp_path / "hf", dtype="fp32")
+    sd = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    assert set(ref) - set(sd) == {"head.weight"} and res.tied == {"head.weight": "emb.weight"}
+    for k, v in sd.items():
+        assert v.dtype == ref[k].dtype and torch.equal(v, ref[k]), k
+    # save_16bit_model at the same step (fp32 training: the same values)
+    sd16 = load_file(str(reference["tmp"] / "m16" / "model.safetensors"))
+    assert set(sd16) == set(sd)
+    for k, v in sd16.items():
+        assert torch.equal(v, ref[k]), k
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(pytest.main([__file__, "-q"]))

@@ -1,0 +1,259 @@
+"""The engine's side of checkpoints: `CheckpointView` over an `Engine`, and the three calls
+`Engine.save_checkpoint` / `load_checkpoint` / `save_16bit_model` delegate to.
+
+What it reads of the runtime (Contract 6): ``engine.stage.state`` (the `ShardedOptimizerState`:
+``layouts``, ``shard_index``, ``masters``, ``optimizer``, ``load_sharded_state``), the flat
+layouts' ``pieces_in_range`` (partition.py), ``engine.comm`` (rank, world size, group), the
+module, scheduler, loss scaler and counters. After a load the stage re-derives its parameters
+from the masters through ``stage.params_from_masters()`` when it has one, else the stage 0-2
+write-back (own shard, then all-gather) is done here.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .export import save_full_model
+from .format import BUFFER, OPTIM_PREFIX, WEIGHT, CheckpointMeta, Fragment, ParamInfo, dtype_name
+from .sharded import load_checkpoint as _load
+from .sharded import save_checkpoint as _save
+
+__all__ = ["EngineCheckpointView", "save", "load", "save_16bit_model"]
+
+log = logging.getLogger("zerorun.checkpoint")
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, bool | int | str) or value is None:
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else str(value)
+    if isinstance(value, list | tuple):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if torch.is_tensor(value) and value.numel() == 1:
+        return value.item()
+    return repr(value)
+
+
+def _persistent_buffers(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Buffers that ``state_dict()`` holds, each once, without calling ``state_dict()`` (which
+    at stage 3 would have to gather parameters)."""
+    seen: set[int] = set()
+    out: list[tuple[str, torch.Tensor]] = []
+    for mod_name, mod in module.named_modules(remove_duplicate=False):
+        for name, b in mod._buffers.items():
+            if b is None or name in mod._non_persistent_buffers_set or id(b) in seen:
+                continue
+            seen.add(id(b))
+            out.append((f"{mod_name}.{name}" if mod_name else name, b))
+    return out
+
+
+class EngineCheckpointView:
+    """`CheckpointView` (sharded.py) over an `Engine`."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.rank: int = engine.comm.rank
+        self.world_size: int = engine.comm.world_size
+        self.process_group = engine.comm.group
+        self.device = engine.device
+        self.state = engine.stage.state  # ShardedOptimizerState
+        self._optim_targets: dict[tuple[int, str], torch.Tensor] = {}
+
+    # -- description --------------------------------------------------------------------------
+    def _named_params(self) -> tuple[list[tuple[str, nn.Parameter]], dict[str, str]]:
+        first: dict[int, str] = {}
+        params: list[tuple[str, nn.Parameter]] = []
+        tied: dict[str, str] = {}
+        for name, p in self.engine.module.named_parameters(remove_duplicate=False):
+            if id(p) in first:
+                tied[name] = first[id(p)]
+                continue
+            first[id(p)] = name
+            params.append((name, p))
+        return params, tied
+
+    def _trained_names(self) -> set[str]:
+        return {slot.name for layout in self.state.layouts for slot in layout.slots}
+
+    def checkpoint_meta(self) -> CheckpointMeta:
+        e = self.engine
+        params, tied = self._named_params()
+        trained = self._trained_names()
+        policy = e.settings.policy
+        infos = [
+            ParamInfo(
+                n,
+                tuple(p.shape),
+                dtype_name(policy.param_dtype if n in trained else p.dtype),
+                n in trained,
+            )
+            for n, p in params
+        ]
+        buffers = [ParamInfo(n, tuple(b.shape), dtype_name(b.dtype), False) for n, b in _persistent_buffers(e.module)]
+        precision = "fp16" if e.settings.fp16 else ("bf16" if policy.param_dtype == torch.bfloat16 else "fp32")
+        opt = e.optimizer
+        return CheckpointMeta(
+            world_size=self.world_size,
+            stage=int(e.settings.stage),
+            precision=precision,
+            params=infos,
+            buffers=buffers,
+            tied=tied,
+            optimizer={
+                "class": type(opt).__name__,
+                "param_groups": [_jsonable({k: v for k, v in g.items() if k != "params"}) for g in opt.param_groups],
+                "scalar_state": _jsonable(self._scalar_state()),
+            },
+            counters={
+                "global_steps": int(e.global_steps),
+                "global_samples": int(e.global_samples),
+                "micro_steps": int(e.micro_steps),
+                "skipped_steps": int(e.skipped_steps),
+            },
+        )
+
+    def _scalar_state(self) -> list[dict[str, Any]]:
+        """Per param group, the optimizer's non-elementwise state (Adam's ``step``), taken from
+        the group's first master that has state (all masters of a group step together)."""
+        opt = self.state.optimizer
+        out: list[dict[str, Any]] = []
+        for group in opt.param_groups:
+            scalars: dict[str, Any] = {}
+            for p in group["params"]:
+                s = opt.state.get(p)
+                if s:
+                    scalars = {k: v for k, v in s.items() if not (torch.is_tensor(v) and v.dim() > 0)}
+                    break
+            out.append(scalars)
+        return out
+
+    # -- fragments ----------------------------------------------------------------------------
+    def checkpoint_fragments(self, *, for_load: bool, kinds: set[str] | None = None) -> list[Fragment]:
+        st = self.state
+        opt = st.optimizer
+        frags: list[Fragment] = []
+        self._optim_targets = {}
+        for i, (layout, master) in enumerate(zip(st.layouts, st.masters, strict=True)):
+            lo, hi = layout.shard_range(st.shard_index)
+            replicated = layout.num_shards == 1 and self.world_size > 1
+            sources: dict[str, torch.Tensor] = {WEIGHT: master}
+            if for_load:
+                # Fresh targets; `restore_checkpoint_state` hands them to the optimizer through
+                # its own load_state_dict (which creates state a step has not created yet).
+                for kind in sorted(kinds or ()):
+                    if kind.startswith(OPTIM_PREFIX):
+                        t = torch.zeros_like(master)
+                        self._optim_targets[(i, kind[len(OPTIM_PREFIX) :])] = t
+                        sources[kind] = t
+            else:
+                for key, v in opt.state.get(master, {}).items():
+                    if torch.is_tensor(v) and v.dim() > 0 and v.numel() == master.numel():
+                        sources[OPTIM_PREFIX + key] = v
+            for slot, a, b in layout.pieces_in_range(lo, hi):
+                off = slot.offset + a - lo
+                for kind, src in sources.items():
+                    frags.append(Fragment(slot.name, kind, a, b, src[off : off + b - a], replicated))
+        # Parameters the optimizer does not train (frozen, or not in its groups) and buffers:
+        # every rank holds them whole.
+        trained = self._trained_names()
+        for name, p in self._named_params()[0]:
+            if name not in trained:
+                frags.append(Fragment(name, WEIGHT, 0, p.numel(), p.data, replicated=True))
+        for name, b in _persistent_buffers(self.engine.module):
+            frags.append(Fragment(name, BUFFER, 0, b.numel(), b, replicated=True))
+        return frags
+
+    # -- small objects ------------------------------------------------------------------------
+    def checkpoint_state(self) -> dict[str, Any]:
+        e = self.engine
+        sched = e.lr_scheduler
+        return {
+            "lr_scheduler": sched.state_dict() if sched is not None and hasattr(sched, "state_dict") else None,
+            "loss_scaler": e.loss_scaler.state_dict(),
+            "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in e.optimizer.param_groups],
+            "scalar_state": self._scalar_state(),
+        }
+
+    def restore_checkpoint_state(
+        self, state: dict[str, Any], meta: CheckpointMeta, *, optimizer: bool, scheduler: bool, module_only: bool
+    ) -> None:
+        e = self.engine
+        if optimizer:
+            self._restore_optimizer(state, meta)
+        if module_only:
+            return
+        e.global_steps = meta.counters.get("global_steps", 0)
+        e.global_samples = meta.counters.get("global_samples", 0)
+        e.micro_steps = meta.counters.get("micro_steps", 0)
+        e.skipped_steps = meta.counters.get("skipped_steps", 0)
+        if state.get("loss_scaler") is not None:
+            e.loss_scaler.load_state_dict(state["loss_scaler"])
+        if scheduler and e.lr_scheduler is not None and state.get("lr_scheduler") is not None:
+            e.lr_scheduler.load_state_dict(state["lr_scheduler"])
+
+    def _restore_optimizer(self, state: dict[str, Any], meta: CheckpointMeta) -> None:
+        from zerorun.errors import CheckpointError
+
+        st = self.state
+        groups = state.get("param_groups") or []
+        if len(groups) != len(st.optimizer.param_groups):
+            raise CheckpointError(
+                f"checkpoint has {len(groups)} optimizer param group(s), the engine {len(st.optimizer.param_groups)}; "
+                "pass load_optimizer_states=False"
+            )
+        scalars = state.get("scalar_state") or [{} for _ in groups]
+        per_master: list[dict[str, Any]] = []
+        for i, layout in enumerate(st.layouts):
+            s: dict[str, Any] = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in scalars[layout.group].items()}
+            s.update({key: t for (j, key), t in self._optim_targets.items() if j == i})
+            per_master.append(s if len(s) > len(scalars[layout.group]) else {})
+        st.load_sharded_state({"masters": st.masters, "optimizer_state": per_master, "param_groups": groups})
+        self._optim_targets = {}
+
+    def after_checkpoint_load(self) -> None:
+        stage = self.engine.stage
+        sync = getattr(stage, "params_from_masters", None)
+        if sync is not None:
+            sync()
+            return
+        # stages 0-2 (stages.py): masters -> own parameter shard -> all-gather the rest
+        st = self.state
+        own = [stage.flat.shard(i, st.shard_index) for i in range(len(st.layouts))]
+        with torch.no_grad():
+            st.write_back(own)
+            if self.engine.settings.stage > 0:
+                for p in [stage.comm.all_gather(buf, sh) for buf, sh in zip(stage.flat.buffers, own, strict=True)]:
+                    p.wait()
+
+
+def save(engine: Any, save_dir: str | os.PathLike[str], tag: Any, client_state: dict[str, Any] | None, save_latest: bool) -> Path:
+    return _save(EngineCheckpointView(engine), save_dir, tag, client_state, save_latest)
+
+
+def load(engine: Any, load_dir: str | os.PathLike[str], tag: Any, **flags: bool) -> tuple[str | None, dict[str, Any] | None]:
+    return _load(EngineCheckpointView(engine), load_dir, tag, **flags)
+
+
+def save_16bit_model(engine: Any, save_dir: str | os.PathLike[str], save_filename: str) -> bool:
+    """DeepSpeed's semantics: at stage 3 only with stage3_gather_16bit_weights_on_model_save."""
+    settings = engine.settings
+    if settings.stage == 3 and not getattr(settings.zero, "stage3_gather_16bit_weights_on_model_save", False):
+        log.warning(
+            "zerorun: save_16bit_model did not save the model: at ZeRO stage 3 it needs "
+            "zero_optimization.stage3_gather_16bit_weights_on_model_save: true (or use "
+            "`zerorun consolidate` on a checkpoint)"
+        )
+        return False
+    save_full_model(EngineCheckpointView(engine), save_dir, save_filename, dtype=settings.policy.param_dtype)
+    return True
