@@ -424,7 +424,7 @@ class Supervisor:
 
     def _on_exit(self, msg: RankExit) -> None:
         state = self.states[msg.rank]
-        if state.returncode is not None:
+        if state.returncode is not None or state.state == "lost":
             return
         state.returncode = msg.returncode
         state.ended = time.monotonic()
