@@ -1,0 +1,302 @@
+"""zerorun.initialize's behaviours a user meets, checked in one process (argv: OUT_JSON).
+
+Each check returns None (passed) or raises; rank 0 writes {check: "ok" | "FAIL: ..."}.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+import traceback
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import zerorun
+from zerorun.errors import RuntimeConfigError
+
+BASE = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2, "reduce_bucket_size": 16}}
+
+
+def model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 3))
+
+
+def cfg(**extra) -> dict:  # noqa: ANN003
+    out = copy.deepcopy(BASE)
+    out.update(extra)
+    return out
+
+
+def expect_error(fn, *needles: str) -> None:  # noqa: ANN001
+    try:
+        fn()
+    except RuntimeConfigError as exc:
+        msg = str(exc)
+        missing = [n for n in needles if n not in msg]
+        assert not missing, f"message lacks {missing}: {msg}"
+        return
+    raise AssertionError("no RuntimeConfigError raised")
+
+
+def data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(2, 5, generator=g), torch.randn(2, 3, generator=g)
+
+
+def train(engine, steps: int, zero_grad_each_micro: bool = False) -> list[float]:  # noqa: ANN001
+    losses = []
+    for s in range(steps):
+        x, y = data(s)
+        if zero_grad_each_micro:
+            engine.zero_grad()
+        loss = nn.functional.mse_loss(engine(x), y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+def check_no_optimizer() -> None:
+    expect_error(lambda: zerorun.initialize(model=model(), config=cfg()), "no optimizer", "optimizer:")
+
+
+def check_unsupported_optimizer_type() -> None:
+    expect_error(
+        lambda: zerorun.initialize(
+            model=model(), config=cfg(optimizer={"type": "Lamb", "params": {"lr": 1e-3}})
+        ),
+        "Lamb",
+        "AdamW",
+    )
+
+
+def check_non_elementwise_user_optimizer() -> None:
+    m = model()
+    opt = torch.optim.LBFGS(m.parameters())
+    expect_error(
+        lambda: zerorun.initialize(model=m, optimizer=opt, config=cfg()),
+        "LBFGS",
+        "zero_allow_untested_optimizer",
+    )
+    m = model()
+    zerorun.initialize(
+        model=m, optimizer=torch.optim.LBFGS(m.parameters()), config=cfg(zero_allow_untested_optimizer=True)
+    )[0].destroy()
+
+
+def check_auto_lr_without_optimizer() -> None:
+    expect_error(
+        lambda: zerorun.initialize(
+            model=model(), config=cfg(optimizer={"type": "AdamW", "params": {"lr": "auto"}})
+        ),
+        "optimizer.params.lr",
+    )
+
+
+def check_fp16_auto() -> None:
+    c = cfg(optimizer={"type": "AdamW", "params": {"lr": 1e-3}}, fp16={"enabled": "auto"})
+    expect_error(lambda: zerorun.initialize(model=model(), config=c), "fp16.enabled")
+
+
+def check_adam_means_adamw() -> None:
+    e, opt, _, _ = zerorun.initialize(
+        model=model(), config=cfg(optimizer={"type": "Adam", "params": {"lr": 1e-3}})
+    )
+    assert type(opt) is torch.optim.AdamW, type(opt)
+    e.destroy()
+    c = cfg(optimizer={"type": "adam", "params": {"lr": 1e-3, "adam_w_mode": False}})
+    e, opt, _, _ = zerorun.initialize(model=model(), config=c)
+    assert type(opt) is torch.optim.Adam, type(opt)
+    e.destroy()
+
+
+def check_user_optimizer_groups_match_plain_pytorch() -> None:
+    m, ref = model(), model()
+
+    def groups(mod: nn.Module) -> list[dict]:
+        decay = [p for n, p in mod.named_parameters() if n.endswith("weight")]
+        no_decay = [p for n, p in mod.named_parameters() if n.endswith("bias")]
+        return [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0, "lr": 0.05}]
+
+    opt = torch.optim.AdamW(groups(m), lr=0.02)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    engine, got_opt, _, got_sched = zerorun.initialize(
+        model=m, optimizer=opt, lr_scheduler=sched, config=cfg()
+    )
+    assert got_opt is opt and got_sched is sched
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
+    ref_opt = torch.optim.AdamW(groups(ref), lr=0.02)
+    ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=2, gamma=0.5)
+    losses = train(engine, 5)
+    ref_losses = []
+    for s in range(5):
+        x, y = data(s)
+        loss = nn.functional.mse_loss(ref(x), y)
+        loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        ref_sched.step()
+        ref_losses.append(loss.item())
+    assert all(abs(a - b) <= 1e-5 * abs(b) + 1e-7 for a, b in zip(losses, ref_losses, strict=True)), (
+        losses,
+        ref_losses,
+    )
+    for p, q in zip(m.parameters(), ref.parameters(), strict=True):
+        assert torch.allclose(p, q, rtol=1e-5, atol=1e-6)
+    assert engine.get_lr() == [g["lr"] for g in ref_opt.param_groups]
+    engine.destroy()
+
+
+def check_callable_scheduler_and_config_scheduler() -> None:
+    c = cfg(optimizer={"type": "SGD", "params": {"lr": 0.5}})
+    engine, opt, _, sched = zerorun.initialize(
+        model=model(),
+        config=c,
+        lr_scheduler=lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0 / (s + 1)),
+    )
+    train(engine, 3)
+    assert engine.get_lr() == [0.5 / 4], engine.get_lr()
+    engine.destroy()
+    c = cfg(
+        optimizer={"type": "SGD", "params": {"lr": 0.5}},
+        scheduler={
+            "type": "WarmupLR",
+            "params": {
+                "warmup_min_lr": 0.0,
+                "warmup_max_lr": "auto",
+                "warmup_num_steps": 4,
+                "warmup_type": "linear",
+            },
+        },
+    )
+    engine, opt, _, sched = zerorun.initialize(model=model(), config=c)
+    seen = []
+    for _ in range(5):
+        seen.append(engine.get_lr()[0])
+        train(engine, 1)
+    assert seen == [0.0, 0.0, 0.125, 0.25, 0.375], seen
+    engine.destroy()
+
+
+def check_scheduler_bound_elsewhere() -> None:
+    m = model()
+    other = torch.optim.SGD(model().parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(other, 1)
+    c = cfg(optimizer={"type": "SGD", "params": {"lr": 0.5}})
+    expect_error(
+        lambda: zerorun.initialize(model=m, config=c, lr_scheduler=sched), "lr_scheduler", "lambda opt"
+    )
+
+
+def check_accumulation_survives_zero_grad() -> None:
+    c = cfg(optimizer={"type": "AdamW", "params": {"lr": 0.01}}, gradient_accumulation_steps=2)
+    a, b = model(), model()
+    e1, *_ = zerorun.initialize(model=a, config=c)
+    l1 = train(e1, 4)
+    e1.destroy()
+    e2, *_ = zerorun.initialize(model=b, config=c)
+    l2 = train(e2, 4, zero_grad_each_micro=True)
+    e2.destroy()
+    assert l1 == l2 and e2.global_steps == 2 and e2.micro_steps == 4
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
+
+
+def check_training_data_loader() -> None:
+    ds = torch.utils.data.TensorDataset(torch.randn(10, 5), torch.randn(10, 3))
+    c = cfg(
+        optimizer={"type": "SGD", "params": {"lr": 0.1}},
+        train_micro_batch_size_per_gpu="auto",
+        train_batch_size=4,
+    )
+    engine, _, loader, _ = zerorun.initialize(model=model(), config=c, training_data=ds)
+    assert engine.train_micro_batch_size_per_gpu == 4 and loader.batch_size == 4
+    assert isinstance(loader.sampler, torch.utils.data.distributed.DistributedSampler)
+    n = 0
+    for x, y in loader:
+        engine.backward(nn.functional.mse_loss(engine(x), y))
+        engine.step()
+        n += 1
+    assert n == 3 and engine.global_steps == 3
+    engine.destroy()
+
+
+def check_model_parameters_groups() -> None:
+    m = model()
+    groups = [{"params": list(m[0].parameters()), "lr": 0.0}, {"params": list(m[2].parameters())}]
+    before = [p.detach().clone() for p in m[0].parameters()]
+    engine, opt, _, _ = zerorun.initialize(
+        model=m, model_parameters=groups, config=cfg(optimizer={"type": "SGD", "params": {"lr": 0.1}})
+    )
+    assert [g["lr"] for g in opt.param_groups] == [0.0, 0.1]
+    train(engine, 2)
+    assert all(torch.equal(a, b) for a, b in zip(before, m[0].parameters(), strict=True)), "lr 0 group moved"
+    engine.destroy()
+
+
+def check_param_outside_optimizer_is_left_alone() -> None:
+    m = model()
+    opt = torch.optim.SGD(m[2].parameters(), lr=0.1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine, *_ = zerorun.initialize(model=m, optimizer=opt, config=cfg())
+    assert any("not in the optimizer" in str(w.message) for w in caught)
+    before = m[0].weight.detach().clone()
+    train(engine, 2)
+    assert torch.equal(before, m[0].weight)
+    engine.destroy()
+
+
+def check_memory_provider_registered() -> None:
+    from zerorun.launch import events
+
+    engine, *_ = zerorun.initialize(
+        model=model(), config=cfg(optimizer={"type": "AdamW", "params": {"lr": 0.1}})
+    )
+    train(engine, 1)
+    provider = events.memory_provider()
+    assert provider is not None
+    summary = provider()
+    (dev,) = summary
+    assert set(summary[dev]) >= {"params", "grads", "master", "optimizer_states", "buffers", "total"}
+    assert summary[dev]["optimizer_states"] > 0
+    engine.destroy()
+
+
+def check_stage_out_of_range() -> None:
+    c = cfg(optimizer={"type": "SGD", "params": {"lr": 0.1}})
+    c["zero_optimization"] = {"stage": 7}
+    try:
+        zerorun.initialize(model=model(), config=c)
+    except Exception as exc:  # noqa: BLE001 - the config layer or the runtime may refuse it
+        assert "stage" in str(exc), exc
+        assert isinstance(exc, (RuntimeConfigError,)) or type(exc).__name__ == "ConfigError", type(exc)
+        return
+    raise AssertionError("stage 7 accepted")
+
+
+CHECKS = [v for k, v in sorted(globals().items()) if k.startswith("check_")]
+
+
+def main() -> None:
+    # A process group the script made itself must be reused, not re-created.
+    dist.init_process_group("gloo")
+    results = {}
+    for check in CHECKS:
+        try:
+            check()
+            results[check.__name__] = "ok"
+        except Exception:  # noqa: BLE001
+            results[check.__name__] = "FAIL: " + traceback.format_exc()[-3000:]
+    if dist.get_rank() == 0:
+        Path(sys.argv[1]).write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,45 @@
+"""zerorun.initialize as a user meets it: errors, optimizers, schedulers, data, memory provider."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from ._spawn import spawn_ranks
+
+HERE = Path(__file__).resolve().parent
+CHECKS = [
+    "check_accumulation_survives_zero_grad",
+    "check_adam_means_adamw",
+    "check_auto_lr_without_optimizer",
+    "check_callable_scheduler_and_config_scheduler",
+    "check_fp16_auto",
+    "check_memory_provider_registered",
+    "check_model_parameters_groups",
+    "check_no_optimizer",
+    "check_non_elementwise_user_optimizer",
+    "check_param_outside_optimizer_is_left_alone",
+    "check_scheduler_bound_elsewhere",
+    "check_stage_out_of_range",
+    "check_training_data_loader",
+    "check_unsupported_optimizer_type",
+    "check_user_optimizer_groups_match_plain_pytorch",
+]
+
+
+@pytest.fixture(scope="module")
+def api_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    out = tmp_path_factory.mktemp("api") / "api.json"
+    spawn_ranks(HERE / "_api_worker.py", 1, [str(out)], deadline_s=120)
+    return json.loads(out.read_text())
+
+
+def test_every_check_ran(api_results: dict[str, str]) -> None:
+    assert sorted(api_results) == CHECKS
+
+
+@pytest.mark.parametrize("check", CHECKS)
+def test_api(api_results: dict[str, str], check: str) -> None:
+    assert api_results[check] == "ok", api_results[check]
