@@ -63,6 +63,8 @@ def test_hostfile_env_value_is_verbatim() -> None:
         ("a slots=1 oops\n", "unexpected 'oops' after the slots"),
         ("a slots=1 1X=2\n", "unexpected '1X=2'"),
         ("a slots=1 slots=2\n", "gives slots= twice"),
+        ("a slots=1 MASTER_ADDR=x\n", "hf:1: MASTER_ADDR is set by the launcher"),
+        ("a slots=1 ZERORUN_RUN_ID=x\n", "ZERORUN_RUN_ID is set by the launcher"),
     ],
 )
 def test_malformed_hostfiles(text: str, fragment: str) -> None:

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from zerorun.errors import HostfileError
+from zerorun.launch.environment import is_plan_variable
 
 __all__ = [
     "Host",
@@ -168,6 +169,11 @@ def _parse_host_env(tokens: Sequence[str], name: str, where: str) -> dict[str, s
             )
         if key == "slots":
             raise HostfileError(f"{where}: host {name!r} gives slots= twice.")
+        if is_plan_variable(key):
+            raise HostfileError(
+                f"{where}: {key} is set by the launcher for each node or rank and cannot be "
+                f"given for host {name!r}; remove it from the hostfile."
+            )
         env[key] = value
     return env
 

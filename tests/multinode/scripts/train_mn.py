@@ -1,0 +1,70 @@
+"""A small data-parallel training job for the multi-node tests (plain torch.distributed on gloo).
+
+Reports, on stdout, what the tests check: where it runs, which variables arrived, its argv,
+the loss, and whether every rank ends with the same weights. Behaviour is chosen through
+variables the test sends with --env (they are not travelling prefixes, so they arrive only
+because the launcher sent them): MN_MARKER (a file created at start: proves a rank started),
+MN_MODE=train|loop|fail, MN_FAIL_RANK, MN_FAIL_CODE.
+"""
+
+import hashlib
+import os
+import socket
+import sys
+import time
+
+mode = os.environ.get("MN_MODE", "train")
+if os.environ.get("MN_MARKER"):
+    with open(os.environ["MN_MARKER"] + f".rank{os.environ['RANK']}", "w") as fh:
+        fh.write(str(os.getpid()))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+
+
+def digest(name: str) -> str:
+    value = os.environ.get(name)
+    return "absent" if value is None else hashlib.sha256(value.encode()).hexdigest()[:12]
+
+
+print(
+    f"INFO rank={rank} world={world} local_rank={os.environ['LOCAL_RANK']} "
+    f"local_world={os.environ['LOCAL_WORLD_SIZE']} node_rank={os.environ['NODE_RANK']} "
+    f"ifname={os.environ.get('GLOO_SOCKET_IFNAME')} nccl_debug={os.environ.get('NCCL_DEBUG')} "
+    f"named_secret={digest('MN_API_TOKEN')} unnamed_secret={digest('NCCL_SECRET_TOKEN')} "
+    f"host={socket.gethostname()}",
+    flush=True,
+)
+print("ARGV " + repr(sys.argv[1:]), flush=True)
+
+torch.manual_seed(0)
+model = torch.nn.Linear(8, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+gen = torch.Generator().manual_seed(100 + rank)
+true_w = torch.arange(8, dtype=torch.float32).unsqueeze(1) / 8
+steps = 40 if mode == "train" else 10**9
+for step in range(steps):
+    x = torch.randn(16, 8, generator=gen)
+    loss = ((model(x) - x @ true_w) ** 2).mean()
+    opt.zero_grad()
+    loss.backward()
+    for p in model.parameters():
+        dist.all_reduce(p.grad)
+        p.grad /= world
+    opt.step()
+    if step == 0 or step == steps - 1 or (mode != "train" and step % 10 == 0):
+        print(f"STEP {step} loss {loss.item():.6f}", flush=True)
+    if mode == "fail" and rank == int(os.environ.get("MN_FAIL_RANK", "1")) and step == 3:
+        print("failing on purpose", file=sys.stderr, flush=True)
+        sys.exit(int(os.environ.get("MN_FAIL_CODE", "3")))
+    if mode != "train":
+        time.sleep(0.05)
+
+flat = torch.cat([p.detach().flatten() for p in model.parameters()])
+gathered = [torch.zeros_like(flat) for _ in range(world)]
+dist.all_gather(gathered, flat)
+print(f"SAME_WEIGHTS {all(torch.equal(g, flat) for g in gathered)}", flush=True)
+dist.destroy_process_group()

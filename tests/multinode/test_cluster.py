@@ -1,0 +1,273 @@
+"""Multi-node jobs on the fake cluster: real sshd, real gloo ranks in separate namespaces.
+
+Each launch is a real `python -m zerorun --hostfile ...`. The cluster's hostfile lists
+node1..node3 with 2 slots and their own GLOO_SOCKET_IFNAME; node3's host key is not in the
+test's known_hosts (used by the unknown-key test), so jobs select nodes with
+--exclude/--include.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import (
+    NAMED_SECRET,
+    SCRIPT,
+    UNNAMED_SECRET,
+    Launch,
+    describe,
+    launcher_env,
+    run_launcher,
+    wait_clean,
+)
+
+pytestmark = pytest.mark.multinode
+
+COMMON = ["--device", "cpu", "--pg_timeout", "60", "--grace_period", "3"]
+
+
+def hostfile(cluster) -> str:  # type: ignore[no-untyped-def]
+    return str(cluster.dir / "hostfile")
+
+
+def test_training_job_across_two_nodes(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """One job checks: placement, per-host GLOO_SOCKET_IFNAME from the hostfile, a real
+    data-parallel training, env propagation and secrets, verbatim hostile arguments,
+    [host:rank] prefixes, cleanup."""
+    marker = tmp_path / "started"
+    pwned = tmp_path / "pwned"
+    hostile = [f"$(touch {pwned})", f"; touch {pwned}", f"`touch {pwned}`", "a b", "'\"", "--deepspeed_x"]
+    code, out = run_launcher(
+        ["--hostfile", hostfile(cluster), "--exclude", "node3", *COMMON, "--log_dir", str(tmp_path / "logs"),
+         "--env", "MN_API_TOKEN", "--env", f"MN_MARKER={marker}", "--env", "MN_MODE=train",
+         str(SCRIPT), *hostile],
+        env=launcher_env(cluster),
+        cwd=tmp_path,
+    )
+    assert code == 0, out
+    infos = {int(m["rank"]): m for m in re.finditer(
+        r"\[(?P<host>node\d):(?P<prefix>\d)\] INFO rank=(?P<rank>\d) world=4 local_rank=(?P<local>\d) "
+        r"local_world=2 node_rank=(?P<node>\d) ifname=(?P<ifname>\S+) nccl_debug=(?P<nccl>\S+) "
+        r"named_secret=(?P<named>\S+) unnamed_secret=(?P<unnamed>\S+)", out)}
+    assert sorted(infos) == [0, 1, 2, 3], out
+    import hashlib
+
+    named_digest = hashlib.sha256(NAMED_SECRET.encode()).hexdigest()[:12]
+    for rank, m in infos.items():
+        node = cluster.nodes[rank // 2]
+        assert m["host"] == node.alias and int(m["prefix"]) == rank
+        assert int(m["node"]) == rank // 2 and int(m["local"]) == rank % 2
+        assert m["ifname"] == node.ifname  # per-host value from the hostfile
+        assert m["nccl"] == "INFO"  # a travelling prefix reached the remote rank
+        assert m["named"] == named_digest  # named with --env: sent
+        assert m["unnamed"] == "absent"  # looks secret, not named: not sent
+    # Hostile arguments arrive verbatim and run nothing.
+    assert out.count("ARGV " + repr(hostile)) == 4, out
+    assert not pwned.exists()
+    # Real training: loss went down on every rank and every rank ends with the same weights.
+    losses = re.findall(r"\[node\d:(\d)\] STEP (\d+) loss ([\d.]+)", out)
+    first = {r: float(v) for r, s, v in losses if s == "0"}
+    last = {r: float(v) for r, s, v in losses if s == "39"}
+    assert len(first) == len(last) == 4 and all(last[r] < first[r] / 4 for r in first), losses
+    assert out.count("SAME_WEIGHTS True") == 4
+    # Secrets are never printed, nor logged.
+    assert "NCCL_SECRET_TOKEN looks secret and was not sent" in out
+    logs = "".join(p.read_text() for p in (tmp_path / "logs").iterdir())
+    for secret in (NAMED_SECRET, UNNAMED_SECRET):
+        assert secret not in out and secret not in logs
+    assert len(list(tmp_path.glob("started.rank*"))) == 4
+    left = wait_clean(cluster.nodes, 5)
+    assert not left, describe(left)
+
+
+def test_selection_in_dry_run(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    code, out = run_launcher(
+        ["--hostfile", hostfile(cluster), "--include", " node3 @ node1:1 ", "--dry-run", *COMMON,
+         "--env", f"MN_API_TOKEN={NAMED_SECRET}", str(SCRIPT)],
+        env=launcher_env(cluster),
+        cwd=tmp_path,
+    )
+    assert code == 0, out
+    table = [line.split() for line in out.splitlines() if re.match(r"^\d+\s+\d+\s+\d+\s+node", line)]
+    # Node order follows the hostfile; node1 keeps slot 1 only, node3 (bare) all its slots.
+    assert [(r[0], r[1], r[2], r[3]) for r in table] == [
+        ("0", "0", "0", "node1"), ("1", "0", "1", "node3"), ("2", "1", "1", "node3")
+    ], out
+    assert "MN_API_TOKEN=<redacted>" in out and NAMED_SECRET not in out
+    assert f"GLOO_SOCKET_IFNAME={cluster.nodes[2].ifname}" in out
+    code, out = run_launcher(
+        ["--hostfile", hostfile(cluster), "--num_nodes", "2", "--num_gpus", "1", "--dry-run", *COMMON, str(SCRIPT)],
+        env=launcher_env(cluster),
+        cwd=tmp_path,
+    )
+    assert code == 0 and re.search(r"^1\s+0\s+1\s+node2", out, re.M) and "node3" not in out, out
+    code, out = run_launcher(
+        ["--hostfile", hostfile(cluster), "--include", "node1:5", "--dry-run", *COMMON, str(SCRIPT)],
+        env=launcher_env(cluster),
+        cwd=tmp_path,
+    )
+    assert code != 0 and "slot(s) 5 of host 'node1' do not exist" in out and "Traceback" not in out, out
+
+
+def test_rank_failing_on_node_b_stops_node_a(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    launch = Launch(
+        ["--hostfile", hostfile(cluster), "--include", "node1:0@node2:0", *COMMON,
+         "--env", "MN_MODE=fail", "--env", "MN_FAIL_RANK=1", "--env", "MN_FAIL_CODE=3", str(SCRIPT)],
+        env=launcher_env(cluster),
+        cwd=tmp_path,
+    )
+    code = launch.finish(90)
+    out = launch.output
+    assert code == 3, out
+    assert "[node2:1] failing on purpose" in out
+    assert "rank node2:1 failed first" in out and re.search(r"rank 1 on node2 \(pid \d+\): exit 3", out), out
+    left = wait_clean(cluster.nodes, 5)
+    assert not left, describe(left)
+
+
+def test_link_down_stops_the_job_everywhere(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    node1, node2 = cluster.nodes[:2]
+    launch = Launch(
+        ["--hostfile", hostfile(cluster), "--exclude", "node3", "--num_gpus", "1", *COMMON,
+         "--env", "MN_MODE=loop", str(SCRIPT)],
+        env=launcher_env(cluster),
+        cwd=tmp_path,
+    )
+    try:
+        launch.wait_for(lambda o: "[node1:0] STEP 10" in o and "[node2:1] STEP 10" in o, 90)
+        t0 = time.monotonic()
+        cluster.link(node2, up=False)
+        code = launch.finish(40)
+        stopped_after = time.monotonic() - t0
+        left = wait_clean([node1, node2], 10)
+        clean_after = time.monotonic() - t0
+    finally:
+        cluster.link(node2, up=True)
+    out = launch.output
+    assert code == 255, out
+    assert re.search(r"node node2 .* was lost: node2 \(\S+\) is unreachable", out), out
+    # The heartbeat timeout is 5 s here; the process-group timeout (60 s) never comes into it.
+    assert stopped_after < 20, (stopped_after, out)
+    assert not left, describe(left)
+    assert clean_after < 25, clean_after
+
+
+@pytest.mark.parametrize("how", ["sigint", "sigkill"])
+def test_launcher_interrupted_or_killed_leaves_nothing(cluster, tmp_path: Path, how: str) -> None:  # type: ignore[no-untyped-def]
+    launch = Launch(
+        ["--hostfile", hostfile(cluster), "--exclude", "node3", "--num_gpus", "1", *COMMON,
+         "--env", "MN_MODE=loop", str(SCRIPT)],
+        env=launcher_env(cluster),
+        cwd=tmp_path,
+    )
+    launch.wait_for(lambda o: "[node1:0] STEP 10" in o and "[node2:1] STEP 10" in o, 90)
+    assert all(n.job_pids() for n in cluster.nodes[:2])
+    t0 = time.monotonic()
+    if how == "sigint":
+        launch.proc.send_signal(signal.SIGINT)
+        code = launch.finish(30)
+        assert code == 130, launch.output
+    else:
+        launch.proc.kill()  # the launcher alone, as the OOM killer would
+        launch.finish(30)
+    left = wait_clean(cluster.nodes, 15)
+    assert not left, f"{how}: left after {time.monotonic() - t0:.1f} s:\n{describe(left)}"
+
+
+def test_preflight_failures_start_nothing(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    marker = tmp_path / "started"
+    env = launcher_env(cluster)
+    hf = tmp_path / "hosts"
+
+    def launch(lines: str, *extra: str) -> str:
+        hf.write_text(lines)
+        t0 = time.monotonic()
+        code, out = run_launcher(
+            ["--hostfile", str(hf), "--num_gpus", "1", *COMMON, *extra, "--env", f"MN_MARKER={marker}", str(SCRIPT)],
+            env=env,
+            cwd=tmp_path,
+            timeout=60,
+        )
+        assert code != 0 and "Traceback" not in out, out
+        assert time.monotonic() - t0 < 30, out
+        assert not list(tmp_path.glob("started*")), f"a rank started:\n{out}"
+        return out
+
+    # Unreachable: an unassigned address of the test subnet (ConnectTimeout 2 in ssh config).
+    out = launch("node1 slots=1\nunreachable slots=1\n")
+    assert f"cannot reach unreachable ({cluster.unreachable_addr})" in out and "Nothing was started" in out
+    # Unknown host key.
+    out = launch("node1 slots=1\nnode3 slots=1\n")
+    assert re.search(r"host key of node3 \(\S+\) is not in known_hosts", out) and "--ssh-accept-new-hosts" in out
+    # Both at once: every failing host is named.
+    out = launch("unreachable slots=1\nnode1 slots=1\nnode3 slots=1\n")
+    assert "SSH failed on 2 nodes" in out and "unreachable" in out and "node3" in out
+    # Remote interpreter missing, remote cwd missing.
+    out = launch("node1 slots=1\nnode2 slots=1\n", "--remote_python", "/nonexistent/bin/python")
+    assert "the remote interpreter /nonexistent/bin/python does not exist there" in out
+    cwd = f"/nonexistent dir; touch {tmp_path}/pwned"
+    out = launch("node1 slots=1\n", "--remote_cwd", cwd)
+    assert f"cannot enter the working directory {cwd}" in out and not (tmp_path / "pwned").exists()
+    # Master port busy on the (remote) master.
+    busy = subprocess.Popen(
+        ["ip", "netns", "exec", cluster.nodes[0].netns, sys.executable, "-c",
+         "import socket,sys,time; s=socket.socket(); s.bind(('',0)); s.listen(); "
+         "print(s.getsockname()[1], flush=True); time.sleep(60)"],
+        stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        assert busy.stdout is not None
+        port = busy.stdout.readline().strip()
+        out = launch("node1 slots=1\nnode2 slots=1\n", "--master_port", port)
+        assert f"master port {port} is already in use there" in out
+    finally:
+        busy.kill()
+        busy.wait()
+
+
+def test_host_keys_accept_new_and_changed(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    home = tmp_path / "home"
+    shutil.copytree(cluster.home, home)
+    env = launcher_env(cluster, HOME=str(home))
+    known = home / ".ssh" / "known_hosts"
+    node3 = cluster.nodes[2]
+    hf = tmp_path / "hosts"
+    hf.write_text(f"node3 slots=1 GLOO_SOCKET_IFNAME={node3.ifname}\n")
+    args = ["--hostfile", str(hf), *COMMON, "--env", "MN_MODE=train", str(SCRIPT)]
+    code, out = run_launcher(["--ssh-accept-new-hosts", *args], env=env, cwd=tmp_path)
+    assert code == 0 and "SAME_WEIGHTS True" in out, out
+    assert cluster.known_hosts_line(node3) in known.read_text()
+    # A changed key is refused even with --ssh-accept-new-hosts.
+    wrong = cluster.known_hosts_line(cluster.nodes[0]).split(" ", 1)[1]
+    known.write_text(f"{node3.addr} {wrong}\n")
+    code, out = run_launcher(["--ssh-accept-new-hosts", *args], env=env, cwd=tmp_path)
+    assert code != 0 and "host key of node3" in out and "has CHANGED" in out and "ssh-keygen -R" in out, out
+    assert "Traceback" not in out
+
+
+def test_bad_hostfiles_and_hostile_hosts_via_cli(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    pwned = tmp_path / "pwned"
+    env = launcher_env(cluster)
+    cases = {
+        "missing": (None, "does not exist"),
+        "hostile": (f"node1 slots=1\n$(touch {pwned}) slots=1\n", ":2: '$(touch"),
+        "slots": ("node1 slots=two\n", ":1: slots='two' for host 'node1' is not a whole number"),
+        "env": ("node1 slots=1 ;touch${IFS}x\n", "unexpected ';touch${IFS}x'"),
+        "plan var": ("node1 slots=1 RANK=3\n", "RANK is set by the launcher"),
+    }
+    for name, (text, fragment) in cases.items():
+        hf = tmp_path / f"hosts-{name.replace(' ', '-')}"
+        if text is not None:
+            hf.write_text(text)
+        code, out = run_launcher(["--hostfile", str(hf), *COMMON, str(SCRIPT)], env=env, cwd=tmp_path, timeout=60)
+        assert code != 0 and fragment in out and "Traceback" not in out, (name, out)
+        if text is not None:
+            assert str(hf) in out, (name, out)
+    assert not pwned.exists()
