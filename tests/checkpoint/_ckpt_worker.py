@@ -61,6 +61,14 @@ def config(stage: int, world: int, precision: str) -> dict:
     return cfg
 
 
+def _optim_sum(engine) -> float:
+    total = 0.0
+    for s in engine.optimizer.state.values():
+        if "exp_avg" in s:
+            total += float(s["exp_avg"].double().sum())
+    return total
+
+
 def main() -> int:
     spec = json.loads(sys.argv[1])
     torch.manual_seed(0)
@@ -71,7 +79,9 @@ def main() -> int:
     if spec.get("load") is not None:
         path, client = engine.load_checkpoint(spec["ckpt"], tag=spec["load"] or None, **spec.get("load_flags", {}))
         report.update(loaded=path, client_state=client, steps_after_load=engine.global_steps,
-                      samples_after_load=engine.global_samples, lr_after_load=engine.get_lr())
+                      samples_after_load=engine.global_samples, lr_after_load=engine.get_lr(),
+                      scale_after_load=engine.get_loss_scale(), skipped_after_load=engine.skipped_steps,
+                      rng_after_load=torch.rand(3).tolist())
     try:
         while engine.global_steps < spec["steps_to"]:
             step = engine.global_steps
@@ -84,12 +94,26 @@ def main() -> int:
             report["losses"][str(step + 1)] = g.item() / world
             if engine.global_steps in spec.get("save_at", []):
                 engine.save_checkpoint(spec["ckpt"], client_state={"step": engine.global_steps, "note": "resume me"})
+                report[f"rng_after_save{engine.global_steps}"] = torch.rand(3).tolist()
+                report[f"scale_at{engine.global_steps}"] = engine.get_loss_scale()
+                report[f"lr_at{engine.global_steps}"] = engine.get_lr()
+                report[f"skipped_at{engine.global_steps}"] = engine.skipped_steps
                 if rank == 0 and spec.get("reference"):
                     torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, spec["reference"])
                 if spec.get("save16"):
                     report["save16"] = engine.save_16bit_model(spec["save16"], "model.safetensors")
     except CheckpointError as err:
         report["save_error"] = str(err)
+    # after training: further loads with DeepSpeed's flags, reporting what each restored
+    for i, extra in enumerate(spec.get("extra_loads", [])):
+        exp_avg_before = _optim_sum(engine)
+        engine.load_checkpoint(spec["ckpt"], tag=extra["tag"], **extra["flags"])
+        report[f"extra{i}"] = {
+            "steps": engine.global_steps,
+            "lr": engine.get_lr(),
+            "params": {n: p.detach().double().sum().item() for n, p in model.named_parameters()},
+            "exp_avg_changed": _optim_sum(engine) != exp_avg_before,
+        }
     if rank == 0:
         with open(spec["out"], "w") as f:
             json.dump(report, f)

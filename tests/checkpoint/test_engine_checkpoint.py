@@ -56,7 +56,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
     results, out = _run(tmp, 2, spec, name="ref")
     _ok(results)
     assert out["save16"] is True
-    return {"tmp": tmp, "ckpt": tmp / "ckpt", "losses": out["losses"], "state_dict": tmp / "state_dict.pt"}
+    return {"tmp": tmp, "ckpt": tmp / "ckpt", "losses": out["losses"], "state_dict": tmp / "state_dict.pt", "out": out}
 
 
 def test_layout_is_deepspeeds(reference):
@@ -77,12 +77,31 @@ def test_layout_is_deepspeeds(reference):
 
 
 def test_resume_world1_stage0_matches_uninterrupted(reference, tmp_path):
-    results, out = _run(tmp_path, 1, {"stage": 0, "ckpt": str(reference["ckpt"]), "load": "", "steps_to": 6}, name="w1")
+    spec = {
+        "stage": 0, "ckpt": str(reference["ckpt"]), "load": "", "steps_to": 6,
+        # then, after step 6: DeepSpeed's partial loads
+        "extra_loads": [
+            {"tag": "global_step3", "flags": {"load_module_only": True}},
+            {"tag": "global_step3", "flags": {"load_optimizer_states": False}},
+            {"tag": "global_step3", "flags": {}},
+        ],
+    }
+    results, out = _run(tmp_path, 1, spec, name="w1")
     _ok(results)
     assert out["loaded"].endswith("global_step3") and out["steps_after_load"] == 3
     assert out["client_state"] == {"step": 3, "note": "resume me"}
     assert out["samples_after_load"] == 24
+    assert out["lr_after_load"] == pytest.approx(reference["out"]["lr_at3"])
     _assert_losses_match(out["losses"], reference["losses"], range(4, 7))
+    module_only, no_optim, full = out["extra0"], out["extra1"], out["extra2"]
+    # module only: weights back to step 3, counters / optimizer / scheduler untouched
+    assert module_only["steps"] == 6 and not module_only["exp_avg_changed"]
+    assert module_only["params"] == full["params"]
+    assert module_only["lr"] != pytest.approx(reference["out"]["lr_at3"])
+    # without optimizer states: counters and scheduler restored, optimizer state untouched
+    assert no_optim["steps"] == 3 and not no_optim["exp_avg_changed"]
+    assert no_optim["lr"] == pytest.approx(reference["out"]["lr_at3"])
+    assert full["steps"] == 3 and full["exp_avg_changed"]
 
 
 def test_rank_killed_mid_save_then_resume_at_world4(reference, tmp_path):
@@ -94,17 +113,25 @@ def test_rank_killed_mid_save_then_resume_at_world4(reference, tmp_path):
     assert results[1].returncode == -9, results[1].output[-3000:]
     assert results[0].returncode == 3, results[0].output[-3000:]
     assert "previous checkpoint" in out["save_error"]
+    # same world size: each rank's RNG continues exactly where it was saved
+    assert out["rng_after_load"] == reference["out"]["rng_after_save3"]
     assert (ckpt / "latest").read_text() == "global_step3"
     assert not (ckpt / "global_step4").exists()
     assert (ckpt / ".tmp-global_step4").is_dir()  # left for the next save to clean
     # what `latest` names still loads, at another world size and stage, and training continues
     # exactly as the uninterrupted run
-    results, out = _run(tmp_path, 4, {"stage": 1, "ckpt": str(ckpt), "load": "", "steps_to": 6}, name="w4")
+    spec = {"stage": 1, "ckpt": str(ckpt), "load": "", "steps_to": 6, "save_at": [5]}
+    results, out = _run(tmp_path, 4, spec, name="w4")
     _ok(results)
     assert out["loaded"] == str(ckpt / "global_step3")
     assert "ignoring .tmp-global_step4" in results[0].output
     assert "ranks >= 2 get fresh RNG seeds" in results[2].output
     _assert_losses_match(out["losses"], reference["losses"], range(4, 7))
+    # the next save cleaned the leftover and moved `latest`
+    assert "removed" in results[0].output and not (ckpt / ".tmp-global_step4").exists()
+    assert (ckpt / "latest").read_text() == "global_step5"
+    with CheckpointReader(ckpt / "global_step5") as rd:
+        assert (rd.meta.world_size, rd.meta.stage) == (4, 1)
 
 
 def test_crash_before_latest_keeps_latest_on_previous(reference, tmp_path):
