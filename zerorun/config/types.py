@@ -71,8 +71,8 @@ def number_from_text(text: str) -> int | float | None:
         value = float(t)
     except ValueError:
         return None
-    # A size written as 5e8 is meant as an integer; keep integral values exact.
-    if math.isfinite(value) and value.is_integer() and abs(value) < 2**63:
+    # A size written as 5e8 (no dot) is meant as an integer; `1.0` stays a float.
+    if "." not in t and math.isfinite(value) and value.is_integer() and abs(value) < 2**63:
         return int(value)
     return value
 

@@ -63,8 +63,6 @@ class _Builder:
             if node.tag == _STR_TAG:
                 number = number_from_text(node.value)
                 return value if number is None else YamlNumber(node.value, number)
-            if isinstance(value, float) and value.is_integer() and abs(value) < 2**63:
-                value = int(value)
             return YamlNumber(node.value, value)
         return self.constructor.construct_object(node, deep=True)
 

@@ -1,0 +1,157 @@
+"""The memory model (Contract 4) against its formula and the ZeRO paper's numbers."""
+
+from __future__ import annotations
+
+import pytest
+
+from zerorun.config import load_config
+from zerorun.estimate import (
+    GB,
+    TERMS,
+    BytesPerElement,
+    estimate_table,
+    model_state_bytes,
+    optimizer_state_bytes,
+    parse_count,
+)
+
+PSI = 7_500_000_000
+
+
+@pytest.mark.parametrize("stage,expected_gb", [(0, 120.0), (1, 31.4), (2, 16.6), (3, 1.9)])
+def test_zero_paper_example(stage, expected_gb):
+    # ZeRO paper, figure 1: Ψ = 7.5B, N = 64, K = 12.
+    est = model_state_bytes(PSI, 64, stage=stage)
+    assert round(est.model_states("gpu") / GB, 1) == expected_gb
+    assert est.model_states("cpu") == 0 and est.model_states("nvme") == 0
+
+
+def _mixed(stage: int, **zero) -> dict:
+    return {"bf16": {"enabled": True}, "optimizer": {"type": "AdamW"}, "zero_optimization": {"stage": stage, **zero}}
+
+
+@pytest.mark.parametrize(
+    "stage,factors",
+    [  # bytes per element (replicated, or /N) of params, grads, master, optimizer_states
+        (0, (2, 4, 4, 8, "", "", "", "")),
+        (1, (2, 4, 4, 8, "", "", "/N", "/N")),
+        (2, (2, 4, 4, 8, "", "/N", "/N", "/N")),
+        (3, (2, 4, 4, 8, "/N", "/N", "/N", "/N")),
+    ],
+)
+def test_contract4_table_mixed_precision_adam(stage, factors):
+    psi, n = 1_000_003, 7  # not divisible: partitioned terms are exactly Ψ/N
+    est = model_state_bytes(psi, n, load_config(_mixed(stage)))
+    widths, divs = factors[:4], factors[4:]
+    for term, width, div in zip(TERMS, widths, divs, strict=True):
+        expected = width * psi / (n if div else 1)
+        assert est.terms["gpu"][term] == pytest.approx(expected), term
+        assert est.formulas[term] == f"{width}Ψ{div} on gpu"
+    assert est.model_states("gpu") == pytest.approx(sum(est.terms["gpu"].values()))
+
+
+def test_communication_dtype_halves_gradients_and_fp32_has_no_master():
+    est = model_state_bytes(1000, 4, load_config({**_mixed(2), "communication_data_type": "bf16"}))
+    assert est.bytes_per_element.grads == 2 and est.terms["gpu"]["grads"] == 2 * 1000 / 4
+    fp32 = model_state_bytes(1000, 4, load_config({"optimizer": {"type": "Adam"}, "zero_optimization": {"stage": 3}}))
+    assert fp32.bytes_per_element == BytesPerElement(4, 4, 0, 8, precision="fp32", optimizer="Adam")
+    assert fp32.terms["gpu"] == {"params": 1000.0, "grads": 1000.0, "master": 0.0, "optimizer_states": 2000.0}
+    fp32_s1 = model_state_bytes(1000, 4, load_config({"optimizer": {"type": "Adam"}, "zero_optimization": {"stage": 1}}))
+    assert fp32_s1.terms["gpu"] == {"params": 4000.0, "grads": 4000.0, "master": 0.0, "optimizer_states": 2000.0}
+
+
+@pytest.mark.parametrize(
+    "name,params,expected",
+    [
+        ("Adam", {}, 8),
+        ("adamw", {"amsgrad": True}, 12),
+        ("SGD", {"momentum": 0.9}, 4),
+        ("SGD", {}, 0),
+        ("Adagrad", {}, 4),
+        ("RMSprop", {"momentum": 0.9, "centered": True}, 12),
+        ("Lamb", {}, 8),
+        (None, None, 8),
+    ],
+)
+def test_optimizer_state_bytes(name, params, expected):
+    assert optimizer_state_bytes(name, params)[0] == expected
+
+
+def test_config_optimizer_changes_the_bytes():
+    cfg = load_config({"bf16": {"enabled": True}, "optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9}}})
+    est = model_state_bytes(100, 1, cfg)
+    assert est.bytes_per_element.optimizer_states == 4 and est.bytes_per_element.optimizer == "SGD"
+    assert est.model_states("gpu") == (2 + 4 + 4 + 4) * 100
+
+
+def test_offload_moves_terms_to_the_host():
+    psi, n = 8000, 8
+    s2 = model_state_bytes(psi, n, load_config(_mixed(2, offload_optimizer={"device": "cpu"})))
+    assert s2.terms["gpu"] == {"params": 2 * psi, "grads": 0.0, "master": 0.0, "optimizer_states": 0.0}
+    assert s2.terms["cpu"] == {"params": 0.0, "grads": 4 * psi / n, "master": 4 * psi / n, "optimizer_states": 8 * psi / n}
+    # stage 1 does not partition gradients: the full gradient stays on the GPU
+    s1 = model_state_bytes(psi, n, load_config(_mixed(1, offload_optimizer={"device": "cpu"})))
+    assert s1.terms["gpu"]["grads"] == 4 * psi and s1.terms["cpu"]["grads"] == 0
+    s3 = model_state_bytes(
+        psi, n, load_config(_mixed(3, offload_optimizer={"device": "nvme", "nvme_path": "/x"}, offload_param={"device": "cpu"}))
+    )
+    assert s3.model_states("gpu") == 0
+    assert s3.terms["cpu"]["params"] == 2 * psi / n and s3.terms["cpu"]["grads"] == 4 * psi / n
+    assert s3.terms["nvme"]["master"] == 4 * psi / n and s3.terms["nvme"]["optimizer_states"] == 8 * psi / n
+    assert "nvme_optimizer_staging" in s3.buffers["cpu"]
+    # every byte is somewhere: offload moves, never loses
+    for est in (s1, s2, s3):
+        assert sum(est.model_states(d) for d in ("gpu", "cpu", "nvme")) == pytest.approx(
+            model_state_bytes(psi, n, load_config(_mixed(est.stage))).model_states("gpu")
+        )
+
+
+def test_offload_without_effect_is_ignored_with_a_note():
+    est = model_state_bytes(100, 2, stage=0, offload_optimizer="cpu")
+    assert est.offload_optimizer == "none" and est.model_states("cpu") == 0
+    assert any("no effect at stage 0" in n for n in est.notes)
+    est = model_state_bytes(100, 2, stage=2, offload_param="cpu")
+    assert est.offload_param == "none" and est.terms["gpu"]["params"] == 200
+
+
+def test_buffers_are_a_separate_capped_term():
+    cfg = load_config(_mixed(2, reduce_bucket_size=1000, allgather_bucket_size=3000))
+    est = model_state_bytes(2000, 4, cfg)
+    assert est.buffers["gpu"] == {"reduce_bucket": 1000 * 4.0, "allgather_bucket": 2000 * 2.0}  # capped at Ψ
+    assert est.total("gpu") == est.model_states("gpu") + 8000
+    s3 = model_state_bytes(
+        10**9, 8, load_config(_mixed(3, stage3_prefetch_bucket_size=10**7, stage3_max_live_parameters=10**8)), largest_layer=10**6
+    )
+    assert s3.buffers["gpu"]["prefetch_bucket"] == 2 * 10**7
+    assert s3.buffers["gpu"]["live_params"] == 2 * 10**8
+    assert s3.buffers["gpu"]["largest_layer"] == 10**6 * (2 + 4)
+    assert "allgather_bucket" not in s3.buffers["gpu"]
+
+
+def test_inputs_and_table():
+    # a plain DeepSpeed dict works too (the runtime's tests pass what they trained with)
+    assert model_state_bytes(10, 1, {"zero_optimization": {"stage": 1}}).stage == 1
+    rows = estimate_table(PSI, 8, 8)
+    assert [(s, label) for s, label, _ in rows] == [
+        (0, "none"), (1, "none"), (1, "optimizer"), (2, "none"), (2, "optimizer"),
+        (3, "none"), (3, "optimizer"), (3, "optimizer+params"),
+    ]  # fmt: skip
+    assert rows[-1][2].model_states("gpu") == 0 and rows[-1][2].model_states("cpu") == pytest.approx(16 * PSI / 64)
+    assert rows[3][2].formula("gpu") == "2Ψ + 14Ψ/N"
+    with pytest.raises(ValueError):
+        model_state_bytes(10, 0)
+
+
+@pytest.mark.parametrize(
+    "text,value",
+    [("7.5e9", 7_500_000_000), ("7.5B", 7_500_000_000), ("350M", 350_000_000), ("1.3b", 1_300_000_000),
+     ("7_000", 7000), ("12k", 12_000), (1e6, 1_000_000)],
+)  # fmt: skip
+def test_parse_count(text, value):
+    assert parse_count(text) == value
+
+
+@pytest.mark.parametrize("text", ["", "abc", "-5", "1e999", "nan"])
+def test_parse_count_rejects(text):
+    with pytest.raises(ValueError):
+        parse_count(text)
