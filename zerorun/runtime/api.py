@@ -189,7 +189,7 @@ def initialize(
     user_opt: Optimizer | None = None
     if isinstance(optimizer, Optimizer):
         user_opt = optimizer
-        if settings.optimizer_type is not None:
+        if settings.optimizer_type is not None and ctx.rank == 0:
             warnings.warn(
                 "zerorun.initialize got an optimizer and the config has an `optimizer` section: "
                 "the script's optimizer is used (as DeepSpeed does)",
@@ -201,7 +201,7 @@ def initialize(
         )
     group_of, hypers = _groups(model, user_opt, model_parameters)
     trainable, skipped = collect_trainable(model, group_of)
-    if skipped:
+    if skipped and ctx.rank == 0:
         warnings.warn(
             f"{len(skipped)} trainable parameter(s) are not in the optimizer and will not be updated "
             f"(first: {skipped[0]})",
