@@ -4,4 +4,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh
-exec .venv/bin/zerorun print-config templates/zero2.yaml "$@"
+# A real 2-rank ZeRO-2 training run of the GPT example (tiny size: finishes in well under a
+# minute on CPU ranks; bigger sizes with --size on GPUs).
+exec .venv/bin/zerorun --num_gpus 2 examples/gpt.py --config templates/zero2.yaml --steps 20 "$@"
