@@ -101,7 +101,7 @@ class ZerorunConfig(Section):
     use_data_before_expert_parallelism: Flag = field(False, "Order of data and expert parallel groups.", acted_on=False)
     graph_harvesting: Flag = field(False, "Capture CUDA graphs of short kernel sequences.", acted_on=False)
     disable_python_gc: Flag = field(False, "Disable Python's cyclic garbage collector during training.", acted_on=False)
-    dataloader_drop_last: Flag = field(False, "Drop the last incomplete batch of the engine's data loader.", acted_on=False)
+    dataloader_drop_last: Flag = field(False, "Drop the last incomplete batch of the data loader zerorun.initialize builds.")
     vocabulary_size: Count | None = field(None, "Vocabulary size (used by some DeepSpeed features).", acted_on=False)
 
     # -- DeepSpeed features zerorun accepts but does not implement

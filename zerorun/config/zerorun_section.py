@@ -6,7 +6,7 @@ the configuration reference is generated from these).
 
 from __future__ import annotations
 
-from zerorun.config.types import Real, field
+from zerorun.config.types import Count, Flag, Real, field
 from zerorun.config.zero_section import Section
 
 __all__ = ["ZerorunSection"]
@@ -17,4 +17,44 @@ class ZerorunSection(Section):
 
     memory_report_interval: Real = field(
         5.0, "Seconds between memory reports a rank sends to the launcher (0 disables the periodic report).", ge=0
+    )
+    stage3_group_modules: list[str] | None = field(
+        None,
+        "Stage 3: class names of the modules that form parameter groups (one all-gather each), e.g. "
+        "`[GPTBlock]`. Unset: every element of a repeated-block ModuleList/Sequential, plus the root.",
+        stages=(3,),
+    )
+    stage3_group_min_numel: Count = field(
+        0,
+        "Stage 3: instead of class names, make every module whose not-yet-grouped parameters reach this "
+        "many elements a group (bottom-up, like FSDP's size policy). 0: off.",
+        stages=(3,),
+        ge=0,
+    )
+    stage3_reshard_after_forward: Flag = field(
+        True,
+        "Stage 3: release a group's gathered parameters after its forward (false: keep them until its "
+        "backward, trading memory for one all-gather less per group and step).",
+        stages=(3,),
+    )
+    stage3_check_order: Flag = field(
+        False,
+        "Stage 3 debug: compare the order in which groups are gathered across ranks every step and raise, "
+        "naming the modules, when ranks diverge (one small all-gather per forward and backward).",
+        stages=(3,),
+    )
+    delayed_param_update: Flag = field(
+        False,
+        "One-step delayed parameter update (ZeRO-Offload's DPU), with `offload_optimizer` on cpu or nvme: the CPU "
+        "optimizer step of step t runs while step t+1's forward/backward runs on parameters one update old. "
+        "Faster; changes the math (docs/offload.md).",
+    )
+    delayed_param_update_warmup: Count = field(
+        0, "Optimizer steps taken without the delay before `delayed_param_update` starts.", ge=0
+    )
+    offload_cpu_threads: Count = field(
+        0,
+        "Threads of the CPU optimizer step per rank with optimizer offload; 0: the cores this process may use "
+        "divided by the ranks on its node (one fewer with `delayed_param_update`, leaving a core to the training loop).",
+        ge=0,
     )
