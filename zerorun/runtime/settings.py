@@ -54,6 +54,7 @@ class RuntimeSettings:
     offload_param_device: str = "none"
     dataloader_drop_last: bool = False
     zero: Any = None  # the zero_optimization section, for stage 3 / offload modules
+    zerorun: Any = None  # zerorun's own `zerorun:` section (stage-3 grouping, order check, ...)
 
     def make_scaler(self) -> LossScaler:
         if not self.fp16:
@@ -192,4 +193,5 @@ def settings_from_config(
         offload_param_device=str(_get(zero, "offload_param.device", "none")),
         dataloader_drop_last=bool(_get(cfg, "dataloader_drop_last", False)),
         zero=zero,
+        zerorun=_get(cfg, "zerorun"),
     )
