@@ -43,3 +43,18 @@ class ZerorunSection(Section):
         "naming the modules, when ranks diverge (one small all-gather per forward and backward).",
         stages=(3,),
     )
+    delayed_param_update: Flag = field(
+        False,
+        "One-step delayed parameter update (ZeRO-Offload's DPU), with `offload_optimizer` on cpu or nvme: the CPU "
+        "optimizer step of step t runs while step t+1's forward/backward runs on parameters one update old. "
+        "Faster; changes the math (docs/offload.md).",
+    )
+    delayed_param_update_warmup: Count = field(
+        0, "Optimizer steps taken without the delay before `delayed_param_update` starts.", ge=0
+    )
+    offload_cpu_threads: Count = field(
+        0,
+        "Threads of the CPU optimizer step per rank with optimizer offload; 0: the cores this process may use "
+        "divided by the ranks on its node (one fewer with `delayed_param_update`, leaving a core to the training loop).",
+        ge=0,
+    )
