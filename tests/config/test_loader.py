@@ -259,6 +259,12 @@ def test_cross_field_rules():
     assert any("does not exist on this machine" in w for w in loaded.warnings)
     assert not any("stage" in w for w in loaded.warnings)  # NVMe optimizer offload is fine at stage 1
 
+    # stage-specific keys of any section (zerorun's own stage3_* options too)
+    loaded = load_config({"zero_optimization": {"stage": 1, "contiguous_gradients": False}, "zerorun": {"stage3_check_order": True}})
+    text = "\n".join(loaded.warnings)
+    assert "zero_optimization.contiguous_gradients: applies at stages 2/3 only; ignored at stage 1" in text
+    assert "zerorun.stage3_check_order: applies at stage 3 only; ignored at stage 1" in text
+
     loaded = load_config({"amp": {"enabled": True, "opt_level": "O1"}})
     assert any("does not use NVIDIA apex AMP" in w for w in loaded.warnings)
     assert "mutually exclusive" in error_of({"launcher": {"include": "a", "exclude": "b"}})

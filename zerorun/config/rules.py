@@ -105,12 +105,14 @@ def _stage_warnings(raw: RawConfig, config: ZerorunConfig) -> list[str]:
     stage = zero.stage
     warnings: list[str] = []
     misplaced: dict[tuple[int, ...], list[Path_]] = {}
-    for name in zero.model_fields_set:
+    # Any key with `stages` metadata (zero_optimization's, and the zerorun: section's stage3_*);
+    # the offload sections have rules of their own below.
+    for path, holder, name in set_keys(config):
         if name in ("offload_optimizer", "offload_param"):
             continue
-        stages = _extra(type(zero), name).get("stages")
+        stages = _extra(type(holder), name).get("stages")
         if stages is not None and stage not in stages:
-            misplaced.setdefault(tuple(stages), []).append(("zero_optimization", name))
+            misplaced.setdefault(tuple(stages), []).append(path)
     for stages, paths in sorted(misplaced.items()):
         paths.sort(key=lambda p: raw.locations.get(p, (0, 0)))
         where = ", ".join(raw.where(p) for p in paths)
