@@ -9,9 +9,11 @@ median of the timed steps; the mean over the whole timed loop is kept as a cross
 
 from __future__ import annotations
 
+import gc
 import resource
 import statistics
 import time
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -25,6 +27,7 @@ __all__ = [
     "Timing",
     "run_steps",
     "device_memory",
+    "live_tensor_bytes",
     "host_rss_peak_bytes",
     "peak_bf16_flops",
     "throughput",
@@ -81,6 +84,29 @@ def device_memory(device: torch.device) -> dict[str, int | None]:
         "peak_allocated": torch.cuda.max_memory_allocated(device),
         "peak_reserved": torch.cuda.max_memory_reserved(device),
     }
+
+
+def live_tensor_bytes(device: torch.device) -> int:
+    """Bytes of the storages of every tensor Python can reach on `device`'s type, each storage
+    once (a census of gc-tracked objects). On CPU, where there is no caching allocator to ask,
+    this is the measured side of the memory check; on CUDA it is kept next to the allocator's
+    figure (the difference is memory held where Python cannot see it, e.g. in C++ buffers)."""
+    seen: set[int] = set()
+    total = 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # isinstance() on deprecated torch objects warns
+        for obj in gc.get_objects():
+            if not isinstance(obj, torch.Tensor) or obj.device.type != device.type:
+                continue
+            try:
+                storage = obj.untyped_storage()
+            except (RuntimeError, NotImplementedError):  # e.g. tensor subclasses without storage
+                continue
+            ptr = storage.data_ptr()
+            if ptr and ptr not in seen:
+                seen.add(ptr)
+                total += storage.nbytes()
+    return total
 
 
 def host_rss_peak_bytes() -> int:

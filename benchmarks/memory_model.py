@@ -16,7 +16,7 @@ copied to the host as they are reduced); `offload_param` (stage 3) moves the 16-
 
 Buffers are a separate term: `config_buffer_bytes` is the most the config lets zerorun hold
 (an upper bound, the buckets may be transient); the check uses the buffers zerorun reports
-(`reported_gpu_buffer_bytes`), while the measured side always comes from the allocator.
+(`reported_buffer_bytes`), while the measured side always comes from the allocator.
 """
 
 from __future__ import annotations
@@ -27,8 +27,10 @@ from typing import Any
 __all__ = [
     "model_state_bytes",
     "config_buffer_bytes",
-    "reported_gpu_buffer_bytes",
+    "reported_buffer_bytes",
+    "grad_bytes_of",
     "deviation",
+    "band_check",
 ]
 
 _DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2}
@@ -100,21 +102,21 @@ def _sum_numbers(value: Any) -> float:
     return 0.0
 
 
-def reported_gpu_buffer_bytes(report: Any) -> float | None:
-    """GPU buffer bytes from `engine.memory_summary()`, or None if it names none.
+def reported_buffer_bytes(report: Any, device_type: str = "cuda") -> float | None:
+    """Communication-buffer bytes on `device_type` from `engine.memory_summary()`, or None.
 
-    Accepts the shapes a per-device breakdown takes: {"buffers": n | {...}} at the top level
-    (taken as GPU), or under a device key ("gpu", "cuda", "cuda:0", "device").
+    The summary is {device: {category: bytes}} (zerorun/runtime/memory.py), e.g.
+    {"cuda:0": {"params": ..., "buffers": ...}}; a flat {"buffers": n} is also taken.
     """
     if not isinstance(report, Mapping):
         return None
     for key, section in report.items():
-        if str(key).lower().startswith(("gpu", "cuda", "device")) and isinstance(section, Mapping):
+        if str(key).split(":")[0] == device_type and isinstance(section, Mapping):
             for k, v in section.items():
-                if "buffer" in str(k).lower():
+                if "buffer" in str(k).lower() and "module" not in str(k).lower():
                     return _sum_numbers(v)
     for k, v in report.items():
-        if "buffer" in str(k).lower():
+        if str(k).lower() == "buffers":
             return _sum_numbers(v)
     return None
 
@@ -124,3 +126,31 @@ def deviation(measured: float, expected: float) -> float:
     if expected <= 0:
         return float("inf") if measured > 0 else 0.0
     return (measured - expected) / expected
+
+
+def band_check(measured: list[float], formula: float, buffers: float, tol: float = 0.05) -> dict[str, Any]:
+    """Is each rank's measured memory within `tol` of [formula, formula + buffers]?
+
+    The buffer term is an allowance: zerorun reports its buffers' peak, and they may or may not
+    be alive at the measured point (staging buckets are freed after use). A rank is inside when
+    formula·(1 − tol) ≤ measured ≤ (formula + buffers)·(1 + tol); its deviation is relative to
+    the nearer end of the band (0 inside it), signed (negative = below the formula).
+    """
+    low, high = formula, formula + max(buffers, 0.0)
+    devs = []
+    for m in measured:
+        if m < low:
+            devs.append(deviation(m, low))
+        elif m > high:
+            devs.append(deviation(m, high))
+        else:
+            devs.append(0.0)
+    return {
+        "low": low,
+        "high": high,
+        "measured_per_rank": list(measured),
+        "deviation_from_formula_per_rank": [deviation(m, formula) for m in measured],
+        "deviation_from_band_per_rank": devs,
+        "max_abs_deviation": max((abs(d) for d in devs), default=0.0),
+        "within": all(abs(d) <= tol for d in devs),
+    }

@@ -86,9 +86,11 @@ def test_zero_formulas_follow_contract_4() -> None:
     assert off["gpu"]["total"] == 0 and off["host"]["total"] == 18 * psi / n
     with pytest.raises(ValueError):
         memory_model.model_state_bytes(psi, n, 2, offload_param=True)
-    assert memory_model.reported_gpu_buffer_bytes({"gpu": {"params": 5, "buffers": {"a": 2, "b": 3}}}) == 5
-    assert memory_model.reported_gpu_buffer_bytes({"buffers": 7}) == 7
-    assert memory_model.reported_gpu_buffer_bytes({"params": 1}) is None
+    summary = {"cuda:0": {"params": 5, "buffers": 4, "module_buffers": 9}, "cpu": {"buffers": 1}}
+    assert memory_model.reported_buffer_bytes(summary, "cuda") == 4
+    assert memory_model.reported_buffer_bytes(summary, "cpu") == 1
+    assert memory_model.reported_buffer_bytes({"buffers": 7}) == 7
+    assert memory_model.reported_buffer_bytes({"cuda:0": {"params": 1}}) is None
 
 
 def test_throughput_and_mfu() -> None:
@@ -220,3 +222,12 @@ def test_tiny_run_end_to_end(tmp_path: Path) -> None:
     text = md.read_text()
     assert "| plain | ok |" in text and "zero2" in text
     assert "plain" in proc.stdout and "x plain" in proc.stdout  # the console table at the end
+
+
+def test_memory_band_check() -> None:
+    inside = memory_model.band_check([100.0, 118.0], formula=100.0, buffers=20.0)
+    assert inside["within"] and inside["max_abs_deviation"] == 0.0
+    above = memory_model.band_check([100.0, 130.0], formula=100.0, buffers=20.0)
+    assert not above["within"] and above["max_abs_deviation"] == pytest.approx(10 / 120)
+    below = memory_model.band_check([96.0], formula=100.0, buffers=0.0)
+    assert below["within"] and below["deviation_from_band_per_rank"] == [pytest.approx(-0.04)]
