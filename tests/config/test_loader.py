@@ -353,6 +353,14 @@ def test_round_trip_through_json(tmp_path):
     assert d["train_batch_size"] == "auto" and "optimizer" not in d and "overlap_comm" in d["zero_optimization"]
 
 
+def test_null_sections_and_launcher_json():
+    loaded = load_config({"fp16": None, "zero_optimization": None, "optimizer": None, "train_batch_size": 8})
+    assert loaded.config.fp16.enabled is False and loaded.config.zero_optimization.stage == 0
+    # what the launcher sends to the ranks, read back there
+    again = load_config(json.loads(loaded.to_json()))
+    assert again.config == loaded.config
+
+
 def test_loading_never_imports_torch():
     code = (
         "import sys; from zerorun.config import load_config; "

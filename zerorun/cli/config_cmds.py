@@ -136,12 +136,14 @@ def _value_text(value: Any) -> str:
 @app.command(cls=BothSpellings, no_args_is_help=True)
 @report_errors
 def print_config(
-    config: Annotated[Path, typer.Argument(help="DeepSpeed JSON (comments allowed) or YAML config.", show_default=False)],
+    config: Annotated[
+        Path, typer.Argument(metavar="CONFIG", help="DeepSpeed JSON (comments allowed) or YAML config.", show_default=False)
+    ],
     world_size: Annotated[
         int | None, typer.Option("--world-size", min=1, help="Data-parallel world size (all ranks).", show_default=False)
     ] = None,
     num_gpus: Annotated[
-        int | None, typer.Option("--num-gpus", min=1, help="Ranks per node (with --num_nodes).", show_default=False)
+        int | None, typer.Option("--num-gpus", "--nproc-per-node", min=1, help="Ranks per node (with --num_nodes).", show_default=False)
     ] = None,
     num_nodes: Annotated[int | None, typer.Option("--num-nodes", min=1, help="Number of nodes.", show_default=False)] = None,
     hostfile: Annotated[

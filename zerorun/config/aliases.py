@@ -32,6 +32,15 @@ STAGE3_SHORT_NAMES = {
 }
 
 
+_SECTIONS_WITH_DEFAULTS = frozenset(
+    {
+        "fp16", "bf16", "amp", "zero_optimization", "flops_profiler", "activation_checkpointing", "aio",
+        "tensorboard", "wandb", "csv_monitor", "comet", "comms_logger", "checkpoint", "data_types",
+        "eigenvalue", "progressive_layer_drop", "launcher", "zerorun",
+    }
+)  # fmt: skip
+
+
 def _rename(raw: RawConfig, section: dict[str, Any], prefix: Path_, old: str, new: str) -> None:
     if new in section:
         raise ConfigError(
@@ -52,6 +61,11 @@ def rewrite_aliases(raw: RawConfig) -> list[str]:
     if "bfloat16" in data:
         warnings.append(f"{raw.where(('bfloat16',))} is DeepSpeed's old name of the section; using it as 'bf16'")
         _rename(raw, data, (), "bfloat16", "bf16")
+
+    # `"fp16": null` and friends: DeepSpeed reads a null section as absent.
+    for name in list(data):
+        if data[name] is None and name in _SECTIONS_WITH_DEFAULTS:
+            del data[name]
 
     zero = data.get("zero_optimization")
     if isinstance(zero, bool):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,10 @@ class LoadedConfig:
     # Every "auto" still open ("zero_optimization.reduce_bucket_size", "optimizer.params.lr").
     open_autos: list[str] = field(default_factory=list)
     format: str = "dict"
+
+    def to_json(self) -> str:
+        """The user's values as JSON (`auto` kept): what the launcher puts in ZERORUN_CONFIG_JSON."""
+        return json.dumps(self.config.to_dict(only_set=True), separators=(",", ":"))
 
     def resolve_batch(self, world_size: int | None) -> BatchResolution:
         """The batch triad for `world_size` (ConfigError with the arithmetic on a mismatch)."""
