@@ -239,14 +239,18 @@ class LocalRunner:
 
     def _emit_lines(self, s: _Stream) -> None:
         buf = s.buf
-        start = 0
-        while True:
-            nl = buf.find(b"\n", start)
-            if nl < 0:
-                break
-            self._emit(s, bytes(buf[start:nl]))
-            start = nl + 1
-        del buf[:start]
+        end = buf.rfind(b"\n")
+        if end >= 0:
+            chunk = bytes(buf[:end])
+            del buf[: end + 1]
+            if s.kind == "events":
+                for line in chunk.split(b"\n"):
+                    self._emit(s, line)
+            else:
+                # One decode per chunk, not per line: this is the console's hot path.
+                sink, rank, kind = self._sink, s.rank, s.kind
+                for text in chunk.decode("utf-8", errors="replace").split("\n"):
+                    sink(RankOutput(rank, kind, text[:-1] if text.endswith("\r") else text))  # type: ignore[arg-type]
         if len(buf) > _MAX_LINE:
             self._emit(s, bytes(buf))
             buf.clear()
