@@ -160,7 +160,8 @@ def test_hang_timeout_dumps_stacks_and_names_the_rank_behind(tmp_path: Path) -> 
     logs = tmp_path / "logs"
     code, _out, err, tag = run(
         ["--num_gpus", "2", "--hang_timeout", "2", "--grace_period", "1", "--log_dir", str(logs), str(RANK_JOB)],
-        env={"ZR_MODE": "hang", "ZERORUN_MEMORY_REPORT_INTERVAL": "0"},
+        # periodic memory events keep coming: they must not hide the hang
+        env={"ZR_MODE": "hang", "ZERORUN_MEMORY_REPORT_INTERVAL": "0.3"},
         timeout=60,
     )
     assert code == 124, err
@@ -195,3 +196,21 @@ def test_module_argv_and_console_filter(tmp_path: Path) -> None:
     code, out, err, _ = run(["--num_gpus", "1", str(SCRIPTS / "rank_job.py"), "a b", "--num_gpus=9"], env={"ZR_MODE": "hello"})
     assert code == 0, err
     assert out.strip() == "[0] hello 0/1 argv=['a b', '--num_gpus=9'] name=__main__"
+
+
+def test_closed_console_does_not_stop_the_job(tmp_path: Path) -> None:
+    """`zerorun ... | head`: the launcher's stdout goes away; the job still runs to the end and
+    its log files are complete."""
+    logs = tmp_path / "logs"
+    launch = start(["--num_gpus", "2", "--log_dir", str(logs), str(RANK_JOB)], env={"ZR_MODE": "many"})
+    try:
+        assert launch.proc.stdout.readline().startswith("[")
+        launch.proc.stdout.close()
+        launch.proc.wait(timeout=60)
+        assert launch.proc.returncode == 0, launch.proc.stderr.read()
+        for r in range(2):
+            assert (logs / f"rank{r}.log").read_text().count("\n") == 20000
+    finally:
+        kill_tagged(launch.tag)
+        launch.proc.kill()
+        launch.proc.wait(timeout=10)

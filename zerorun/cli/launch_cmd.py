@@ -217,6 +217,15 @@ def main() -> None:
 
 @report_errors
 def _run(options: LaunchOptions) -> int:
+    try:
+        return _launch(options)
+    except KeyboardInterrupt:
+        # Ctrl-C before the supervisor took over signals: nothing was started yet.
+        sys.stderr.write("zerorun: interrupted before the job started\n")
+        return 130
+
+
+def _launch(options: LaunchOptions) -> int:
     from zerorun.launch import console as console_mod
     from zerorun.launch import local
     from zerorun.launch import plan as plan_mod

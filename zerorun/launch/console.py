@@ -152,6 +152,18 @@ class PlainConsole:
         self.err = err or sys.stderr
         self.plan: LaunchPlan | None = None
         self._prefixes: dict[int, str] = {}
+        self._dead: set[int] = set()
+
+    def _write(self, stream: IO[str], text: str) -> None:
+        """Write, and keep going if the reader went away (`zerorun ... | head`): the job
+        keeps running and its log files are still written; only the console goes quiet."""
+        if id(stream) in self._dead:
+            return
+        try:
+            stream.write(text)
+            stream.flush()
+        except (BrokenPipeError, ValueError, OSError):
+            self._dead.add(id(stream))
 
     def begin(self, plan: LaunchPlan, states: Sequence[RankState]) -> None:
         self.plan = plan
@@ -170,36 +182,36 @@ class PlainConsole:
             stream = self.err if line.stream == "stderr" else self.out
             if stream is not current:
                 if current is not None and chunk:
-                    current.write("".join(chunk))
-                    current.flush()
+                    self._write(current, "".join(chunk))
                 current, chunk = stream, []
             chunk.append(f"{self._prefixes.get(line.rank, f'[{line.rank}]')} {line.text}\n")
         if current is not None and chunk:
-            current.write("".join(chunk))
-            current.flush()
+            self._write(current, "".join(chunk))
 
     def note(self, text: str, *, level: Literal["info", "warn", "error"] = "info") -> None:
         tag = {"info": "zerorun", "warn": "zerorun: warning", "error": "zerorun: error"}[level]
-        self.err.write(f"{tag}: {text}\n")
-        self.err.flush()
+        self._write(self.err, f"{tag}: {text}\n")
 
     def refresh(self) -> None:
         pass
 
+    def stop(self) -> None:
+        pass
+
     def end(self, result: JobResult) -> None:
-        out = self.err
+        parts = []
         if result.exit_code != 0:
-            out.write("zerorun: FAILED\n" + "".join(f"  {line}\n" for line in failure_lines(result)))
+            parts.append("zerorun: FAILED\n" + "".join(f"  {line}\n" for line in failure_lines(result)))
         head, rows = summary_rows(result)
-        out.write("zerorun: summary\n" + "".join(f"  {line}\n" for line in _table_text(head, rows)))
+        parts.append("zerorun: summary\n" + "".join(f"  {line}\n" for line in _table_text(head, rows)))
         bhead, brows = breakdown_rows(result)
         if brows:
-            out.write(
+            parts.append(
                 "zerorun: memory by component (last report)\n"
                 + "".join(f"  {line}\n" for line in _table_text(bhead, brows))
             )
-        out.write(f"zerorun: exit code {result.exit_code} after {result.wall_s:.1f} s\n")
-        out.flush()
+        parts.append(f"zerorun: exit code {result.exit_code} after {result.wall_s:.1f} s\n")
+        self._write(self.err, "".join(parts))
 
 
 class RichConsole:
@@ -264,22 +276,29 @@ class RichConsole:
             self.console.print(text, soft_wrap=True)
 
     def note(self, text: str, *, level: Literal["info", "warn", "error"] = "info") -> None:
+        from rich.markup import escape
+
         style = {"info": "bold", "warn": "bold yellow", "error": "bold red"}[level]
-        self.console.print(f"[{style}]zerorun:[/] {text}", markup=True, highlight=False)
+        self.console.print(f"[{style}]zerorun:[/] {escape(text)}", markup=True, highlight=False)
 
     def refresh(self) -> None:
         if self._live is not None:
             self._live.update(self._panel())
 
+    def stop(self) -> None:
+        if self._live is not None:
+            self._live.stop()
+            self._live = None
+
     def end(self, result: JobResult) -> None:
         from rich.panel import Panel
         from rich.table import Table
 
-        if self._live is not None:
-            self._live.stop()
-            self._live = None
+        self.stop()
         if result.exit_code != 0:
-            body = "\n".join(failure_lines(result))
+            from rich.text import Text
+
+            body = Text("\n".join(failure_lines(result)))
             self.console.print(Panel(body, title="[bold red]job failed", border_style="red", expand=False))
         for title, (head, rows) in (("summary", summary_rows(result)), ("memory by component", breakdown_rows(result))):
             if not rows:

@@ -90,6 +90,11 @@ class LocalRunner:
                 self._spawn(spec, argv)
         except BaseException:
             self.kill()
+            for r in self._ranks.values():  # reap what did start: no zombies
+                try:
+                    r.proc.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    pass
             raise
         self._thread = threading.Thread(target=self._read_loop, name="zerorun-local-reader", daemon=True)
         self._thread.start()

@@ -243,6 +243,7 @@ class Console(Protocol):
     def output(self, lines: Sequence[RankOutput]) -> None: ...
     def note(self, text: str, *, level: Literal["info", "warn", "error"] = "info") -> None: ...
     def refresh(self) -> None: ...
+    def stop(self) -> None: ...
     def end(self, result: JobResult) -> None: ...
 
 
@@ -296,6 +297,9 @@ class Supervisor:
                 runner.start(self._queue.put)
                 started.append(runner)
             self._loop()
+        except BaseException:
+            self.console.stop()  # a live display must not outlive a crash
+            raise
         finally:
             for runner in started:
                 _quietly(runner.kill)
@@ -402,10 +406,13 @@ class Supervisor:
             log.write(msg.text + "\n")
 
     def _on_event(self, msg: RankEvent) -> None:
-        self._last_activity = time.monotonic()
         state = self.states[msg.rank]
         ev = msg.event
         kind = ev.get("kind")
+        if kind != "memory":
+            # The shim's periodic memory snapshots come from a thread of their own: they show
+            # the process is alive, not that it makes progress, so they never hide a hang.
+            self._last_activity = time.monotonic()
         if kind == "memory":
             state.rss = _int(ev.get("rss"))
             state.rss_peak = _max(state.rss_peak, _int(ev.get("rss_peak")), state.rss)

@@ -75,6 +75,9 @@ def spawn_children() -> None:
 def main() -> None:
     if MODE == "hello":
         print(f"hello {RANK}/{WORLD} argv={sys.argv[1:]} name={__name__}")
+    elif MODE == "many":
+        for i in range(20000):
+            print(f"line {i} of rank {RANK}")
     elif MODE == "collectives":
         collectives()
     elif MODE == "fail_fast":
