@@ -11,7 +11,7 @@ import copy
 from dataclasses import dataclass
 from typing import Any, Literal
 
-__all__ = ["BenchConfig", "CATALOGUE", "PRESETS", "select", "zerorun_ds_config", "deep_merge"]
+__all__ = ["BenchConfig", "CATALOGUE", "PRESETS", "select", "run_plan", "zerorun_ds_config", "deep_merge"]
 
 Family = Literal["plain", "ddp", "fsdp2", "zerorun"]
 
@@ -30,6 +30,11 @@ class BenchConfig:
     single_process: bool = False
     needs_multi_rank: bool = False  # DDP only means something with world > 1
     needs_cuda: bool = False  # FSDP2's CPUOffloadPolicy needs an accelerator
+
+    @property
+    def offloads(self) -> bool:
+        """Host offload: the slow configurations, run last so a call cut short loses least."""
+        return self.cpu_offload or self.offload_optimizer or self.offload_param
 
 
 def _zr(name: str, stage: int, desc: str, **kw: bool) -> BenchConfig:
@@ -102,6 +107,20 @@ def select(spec: str, world_size: int) -> tuple[list[BenchConfig], list[str]]:
             continue
         chosen.append(cfg)
     return chosen, notes
+
+
+def run_plan(chosen: list[BenchConfig], repeat_baseline: bool = True) -> list[tuple[BenchConfig, int]]:
+    """The order of launches, as (configuration, repeat) pairs: the plain baseline first, then
+    the configurations without offload, the baseline again (its second run gives the noise
+    band, and comes before the slow offload runs so a deadline does not take it), then the
+    offload configurations."""
+    plain = [c for c in chosen if c.name == "plain"]
+    fast = [c for c in chosen if c.name != "plain" and not c.offloads]
+    slow = [c for c in chosen if c.offloads]
+    plan = [(c, 1) for c in plain + fast]
+    if plain and repeat_baseline:
+        plan.append((plain[0], 2))
+    return plan + [(c, 1) for c in slow]
 
 
 def deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:

@@ -51,6 +51,10 @@ _WORKER_FIELDS = (
 )
 
 
+# A configuration is not started with less time than this left in --budget-s.
+_MIN_DEADLINE_S = 30.0
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
@@ -95,6 +99,12 @@ def _parser() -> argparse.ArgumentParser:
         help="peak dense bf16 TFLOP/s per GPU for MFU (default: known GPUs, H200 989)",
     )
     p.add_argument("--timeout-s", type=float, default=600.0, help="deadline per configuration")
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        help="wall-clock budget of the whole run; what does not fit is recorded as not_run",
+    )
     p.add_argument("--pg-timeout-s", type=float, default=300.0, help="process-group timeout inside the ranks")
     p.add_argument("--zerorun-override", default=None, help="JSON merged into every zerorun config")
     p.add_argument(
@@ -154,11 +164,7 @@ def _orchestrate(a: argparse.Namespace) -> int:
         print(f"[bench] {n}", flush=True)
     if a.mode == "memory":
         chosen = [c for c in chosen if c.family == "zerorun"]
-    plan: list[tuple[catalogue.BenchConfig, int]] = [(c, 1) for c in chosen]
-    if any(c.name == "plain" for c in chosen):
-        plan.sort(key=lambda item: item[0].name != "plain")  # baseline first
-        if not a.no_baseline_repeat:
-            plan.append((catalogue.CATALOGUE["plain"], 2))  # and last: the noise band
+    plan = catalogue.run_plan(chosen, repeat_baseline=not a.no_baseline_repeat)
     if not plan:
         print("[bench] nothing to run", file=sys.stderr)
         return 2
@@ -171,10 +177,34 @@ def _orchestrate(a: argparse.Namespace) -> int:
     )
     records: list[dict[str, Any]] = []
     script = str(Path(__file__).resolve())
+    start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="zr-bench-") as tmp:
         for bench, repeat in plan:
             nproc = 1 if bench.single_process else a.nproc
             spec = LaunchSpec(launcher if nproc > 1 else "none", nproc, a.ranks_per_gpu or 1)
+            base = {
+                "run_id": run_id,
+                "config": bench.name,
+                "family": bench.family,
+                "description": bench.description,
+                "mode": a.mode,
+                "repeat": repeat,
+                "size": a.size,
+                "world_size": spec.nproc,
+            }
+            deadline = a.timeout_s
+            if a.budget_s is not None:
+                deadline = min(deadline, a.budget_s - (time.monotonic() - start))
+                if deadline < _MIN_DEADLINE_S:
+                    record = {
+                        **base,
+                        "status": "not_run",
+                        "error": f"the run's --budget-s {a.budget_s:.0f} s was used up",
+                    }
+                    write_record(a.out, {**record, "git_commit": commit}, a.bundle)
+                    records.append(record)
+                    print(f"[bench] --- {bench.name}: not run, budget used up", flush=True)
+                    continue
             result_file = Path(tmp) / f"{bench.name}-{repeat}.json"
             wargs = [
                 "--worker",
@@ -194,21 +224,11 @@ def _orchestrate(a: argparse.Namespace) -> int:
             argv, env = launch_command(spec, script, wargs)
             label = bench.name + (f"#{repeat}" if repeat > 1 else "")
             print(
-                f"[bench] >>> {label}: {' '.join(argv[:6])} ... ({spec.nproc} rank(s), deadline {a.timeout_s:.0f} s)",
+                f"[bench] >>> {label}: {' '.join(argv[:6])} ... ({spec.nproc} rank(s), deadline {deadline:.0f} s)",
                 flush=True,
             )
-            outcome = run_launch(argv, env, a.timeout_s, prefix=f"[{label}]", echo=not a.quiet)
-            base = {
-                "run_id": run_id,
-                "config": bench.name,
-                "family": bench.family,
-                "description": bench.description,
-                "mode": a.mode,
-                "repeat": repeat,
-                "size": a.size,
-                "world_size": spec.nproc,
-            }
-            record = finish_record(result_file, outcome, base, a.timeout_s)
+            outcome = run_launch(argv, env, deadline, prefix=f"[{label}]", echo=not a.quiet)
+            record = finish_record(result_file, outcome, base, deadline)
             record.update(git_commit=commit, launcher=spec.launcher, launch_argv=argv)
             path = write_record(a.out, record, a.bundle)
             records.append(record)

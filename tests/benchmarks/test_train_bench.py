@@ -57,6 +57,14 @@ def test_select_presets_and_unknown_names() -> None:
     chosen, notes = configs.select("full", world_size=1)
     assert "ddp" not in [c.name for c in chosen] and any("ddp" in n for n in notes)
     assert "ddp" in [c.name for c in configs.select("full", world_size=2)[0]]
+    plan = [(c.name, r) for c, r in configs.run_plan(configs.select("full", 2)[0])]
+    assert plan[0] == ("plain", 1) and plan[-5:-4] == [("plain", 2)]  # baseline again before the slow ones
+    assert {n for n, _ in plan[-4:]} == {
+        "fsdp2_offload",
+        "zero2_offload_opt",
+        "zero3_offload_opt",
+        "zero3_offload_param",
+    }
     with pytest.raises(ValueError, match="zero9"):
         configs.select("plain,zero9", world_size=1)
     ds = configs.zerorun_ds_config(
