@@ -84,6 +84,12 @@ def render_run(records: Sequence[dict[str, Any]], loss_rtol: float = 0.01) -> st
         f" micro batch {head.get('micro_batch', '?')} per GPU; started {head.get('started_at', '?')}."
     )
     out.append("")
+    if head.get("device") == "cpu":
+        out += [
+            "> CPU run on a small shared machine (gloo): it validates the harness end to end; its speeds"
+            " say nothing about GPU performance.",
+            "",
+        ]
     if thr:
         out += _throughput_section(thr, loss_rtol)
     if mem:
