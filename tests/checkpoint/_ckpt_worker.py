@@ -58,6 +58,10 @@ def config(stage: int, world: int, precision: str) -> dict:
     }
     if precision == "bf16":
         cfg["bf16"] = {"enabled": True}
+    if precision == "fp16":
+        # a scale that overflows at first and grows back every 2 steps: the scaler's whole state
+        # (scale, hysteresis, iteration of the last overflow) decides the next steps
+        cfg["fp16"] = {"enabled": True, "initial_scale_power": 16, "loss_scale_window": 2, "hysteresis": 2}
     return cfg
 
 
@@ -92,6 +96,7 @@ def main() -> int:
             g = loss.detach().clone()
             dist.all_reduce(g)
             report["losses"][str(step + 1)] = g.item() / world
+            report.setdefault("scales", {})[str(step + 1)] = (engine.get_loss_scale(), engine.skipped_steps)
             if engine.global_steps in spec.get("save_at", []):
                 engine.save_checkpoint(spec["ckpt"], client_state={"step": engine.global_steps, "note": "resume me"})
                 report[f"rng_after_save{engine.global_steps}"] = torch.rand(3).tolist()
@@ -104,6 +109,7 @@ def main() -> int:
                     report["save16"] = engine.save_16bit_model(spec["save16"], "model.safetensors")
     except CheckpointError as err:
         report["save_error"] = str(err)
+    report.update(scale_final=engine.get_loss_scale(), skipped_final=engine.skipped_steps)
     # after training: further loads with DeepSpeed's flags, reporting what each restored
     for i, extra in enumerate(spec.get("extra_loads", [])):
         exp_avg_before = _optim_sum(engine)

@@ -162,3 +162,21 @@ def test_consolidated_equals_reference_state_dict(reference, tmp_path):
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+def test_fp16_loss_scaler_state_survives_resume_at_another_stage(tmp_path):
+    """fp16 with a scale that overflows, then grows back every 2 steps: after step 5 the scaler
+    has used one unit of hysteresis, so the resumed run must halve at its first overflow,
+    exactly as the uninterrupted one. Same world size: fp16 overflow depends on each rank's
+    local gradient, so only then is the skip pattern itself reshard-invariant."""
+    ckpt = str(tmp_path / "ckpt")
+    base = {"stage": 1, "precision": "fp16", "ckpt": ckpt, "steps_to": 10}
+    results, ref = _run(tmp_path, 2, dict(base, save_at=[5]), name="fp16ref")
+    _ok(results)
+    assert ref["skipped_at5"] >= 1 and ref["skipped_final"] > ref["skipped_at5"]  # overflow before and after
+    results, out = _run(tmp_path, 2, dict(base, stage=2, load=""), name="fp16resume")
+    _ok(results)
+    assert (out["scale_after_load"], out["skipped_after_load"]) == (ref["scale_at5"], ref["skipped_at5"])
+    for s in range(6, 11):
+        assert out["scales"][str(s)] == ref["scales"][str(s)], s
+    _assert_losses_match(out["losses"], ref["losses"], range(6, 11))
