@@ -134,10 +134,10 @@ def _wait_for_lines(launch, needles: list[str], timeout: float) -> str:
     return text
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL])
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL])
 def test_launcher_signal_leaves_no_process(sig: int) -> None:
-    """Each rank starts a child in its group and one that escapes with setsid. Ctrl-C to the
-    launcher, or SIGKILL of the launcher itself: no process of the job survives."""
+    """Each rank starts a child in its group and one that escapes with setsid. Ctrl-C or
+    SIGTERM to the launcher, or SIGKILL of the launcher itself: no process of the job survives."""
     launch = start(["--num_gpus", "2", str(RANK_JOB)], env={"ZR_MODE": "children"})
     try:
         _wait_for_lines(launch, ["ready 0", "ready 1"], timeout=60)
@@ -149,7 +149,7 @@ def test_launcher_signal_leaves_no_process(sig: int) -> None:
         left = wait_until_gone(launch.tag, 10)
         assert not left, describe(left)
         assert time.monotonic() - t0 < 8
-        assert launch.proc.returncode == (130 if sig == signal.SIGINT else -9)
+        assert launch.proc.returncode == (-9 if sig == signal.SIGKILL else 128 + sig)
     finally:
         kill_tagged(launch.tag)
         launch.proc.kill()

@@ -200,7 +200,8 @@ class LaunchPlan:
             "ZERORUN_DEVICE": self.device,
             "ZERORUN_BACKEND": self.backend,
             "ZERORUN_RANKS_PER_GPU": str(self.ranks_per_gpu),
-            "ZERORUN_PG_TIMEOUT": f"{self.pg_timeout:g}",
+            # Whole seconds: the runtime (and torchrun-style readers) parse an integer.
+            "ZERORUN_PG_TIMEOUT": str(math.ceil(self.pg_timeout)),
             "ZERORUN_RUN_ID": self.run_id,
         }
         if node.visible_devices is not None:
