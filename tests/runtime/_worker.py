@@ -168,6 +168,45 @@ def run_case(case: _cases.Case, rank: int, world: int) -> dict | None:
     }
 
 
+GOLDEN_CONFIGS = {
+    "gpt-tiny-z2-fp32-w2": {"zero_optimization": {"stage": 2, "reduce_bucket_size": 20000}},
+    "gpt-tiny-z1-bf16-w2": {
+        "zero_optimization": {"stage": 1, "reduce_bucket_size": 20000},
+        "bf16": {"enabled": True},
+    },
+}
+
+
+def golden_run(name: str, rank: int) -> list[float]:
+    """examples/gpt_model.py's tiny GPT, a few steps: the losses guard against silent drift."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+    from gpt_model import GPT, SyntheticTokens, get_config
+
+    cfg_model = get_config("tiny", seq_len=32)
+    torch.manual_seed(7)
+    model = GPT(cfg_model)
+    cfg = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 2,
+        "gradient_clipping": 1.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.1}},
+        "steps_per_print": 1000,
+        **GOLDEN_CONFIGS[name],
+    }
+    engine, *_ = zerorun.initialize(model=model, config=cfg)
+    data = SyntheticTokens(cfg_model, 2, "cpu", seed=7, rank=rank)
+    losses = []
+    for micro in range(12):
+        loss = engine(*data.batch(micro))
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    engine.destroy()
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, losses)
+    return [round(sum(x) / len(x), 6) for x in zip(*gathered, strict=True)]
+
+
 def main() -> None:
     out_path = Path(sys.argv[1])
     only = set(sys.argv[2].split(",")) if len(sys.argv) > 2 and sys.argv[2] else None
@@ -185,6 +224,8 @@ def main() -> None:
         if r is not None:
             r["seconds"] = time.monotonic() - t
             results[case.name] = r
+    if world == 2 and not only:
+        results["_golden"] = {name: golden_run(name, rank) for name in GOLDEN_CONFIGS}
     if rank == 0:
         results["_total_seconds"] = time.monotonic() - t0
         out_path.write_text(json.dumps(results))

@@ -161,3 +161,24 @@ def test_bucket_plan_is_the_same_on_every_rank(results) -> None:  # noqa: ANN001
     for name, r in results(4).items():
         if not name.startswith("_"):
             assert len({(x["n_buckets"], x["padded_numel"]) for x in r["ranks"]}) == 1
+
+
+GOLDEN = HERE.parent / "assets" / "golden_losses.json"
+
+
+def test_golden_losses(results) -> None:  # noqa: ANN001
+    """The tiny GPT's losses (averaged over ranks per micro-step) match the recorded ones:
+    fp32 to 1e-4 relative (only library/kernel changes may move them), bf16 to 1e-2.
+    Regenerate deliberately with ZR_UPDATE_GOLDEN=1 after an intended numerical change."""
+    got = results(2)["_golden"]
+    if os.environ.get("ZR_UPDATE_GOLDEN") == "1":
+        GOLDEN.parent.mkdir(exist_ok=True)
+        GOLDEN.write_text(json.dumps(got, indent=1) + "\n")
+    want = json.loads(GOLDEN.read_text())
+    assert sorted(got) == sorted(want)
+    for name, losses in want.items():
+        rtol = 1e-4 if "fp32" in name else 1e-2
+        assert len(got[name]) == len(losses)
+        for i, (a, b) in enumerate(zip(got[name], losses, strict=True)):
+            assert abs(a - b) <= rtol * abs(b), f"{name} micro-step {i}: {a} vs golden {b}"
+        assert losses[-1] < losses[0], "the golden run does not learn"
