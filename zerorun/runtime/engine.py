@@ -231,6 +231,9 @@ class Engine:
     def memory_summary(self) -> dict[str, dict[str, int]]:
         """Bytes the runtime holds, by device and category (memory.py)."""
         ledger = MemoryLedger()
+        placement = getattr(self.stage.state, "placement", None)
+        if placement is not None:
+            placement.add_memory(ledger)  # offload: host buffers, bytes on NVMe
         parts: dict[str, list[torch.Tensor]] = self.stage.memory_tensors()
         ledger.add("params", parts.get("params", []))
         ledger.add("params", (p for p in self.module.parameters() if not p.requires_grad))
@@ -248,11 +251,17 @@ class Engine:
 
     # -- checkpoints: all in runtime/checkpoint/ (docs/checkpoints.md); collective calls -------
     def save_checkpoint(
-        self, save_dir: str, tag: Any = None, client_state: dict[str, Any] | None = None, save_latest: bool = True
+        self,
+        save_dir: str,
+        tag: Any = None,
+        client_state: dict[str, Any] | None = None,
+        save_latest: bool = True,
+        exclude_frozen_parameters: bool = False,
     ) -> bool:
         from zerorun.runtime.checkpoint import engine_view
 
-        engine_view.save(self, save_dir, tag, client_state, save_latest)
+        self.stage.state.synchronize()  # a delayed offload step still running
+        engine_view.save(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
         return True  # DeepSpeed's return value
 
     def load_checkpoint(
@@ -262,9 +271,11 @@ class Engine:
         load_optimizer_states: bool = True,
         load_lr_scheduler_states: bool = True,
         load_module_only: bool = False,
+        load_module_strict: bool = True,
     ) -> tuple[str | None, dict[str, Any] | None]:
         from zerorun.runtime.checkpoint import engine_view
 
+        self.stage.state.synchronize()
         return engine_view.load(
             self,
             load_dir,
@@ -272,18 +283,25 @@ class Engine:
             load_optimizer_states=load_optimizer_states,
             load_lr_scheduler_states=load_lr_scheduler_states,
             load_module_only=load_module_only,
+            strict=load_module_strict,
         )
 
-    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin") -> bool:
+    def save_16bit_model(
+        self, save_dir: str, save_filename: str = "pytorch_model.bin", exclude_frozen_parameters: bool = False
+    ) -> bool:
         from zerorun.runtime.checkpoint import engine_view
 
-        return engine_view.save_16bit_model(self, save_dir, save_filename)
+        self.stage.state.synchronize()
+        return engine_view.save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
 
     def destroy(self) -> None:
         """Remove the hooks this engine installed (tests build many engines in one process)."""
         reducer = getattr(self.stage, "reducer", None)
         if reducer is not None:
             reducer.remove_hooks()
+        placement = getattr(self.stage.state, "placement", None)
+        if placement is not None:
+            placement.close()
         events = _events()
         if events is not None and hasattr(events, "set_memory_provider"):
             events.set_memory_provider(None)

@@ -47,6 +47,13 @@ class MemoryLedger:
             self._seen.add(key)
             self.add_bytes(category, str(t.device), storage_bytes(t))
 
+    def exclude(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Storages accounted elsewhere (e.g. files mapped into memory, counted as ``nvme``
+        bytes by the offload placement): later ``add`` calls skip them."""
+        for t in tensors:
+            if t is not None and t.device.type != "meta":
+                self._seen.add(_storage_key(t))
+
     def add_bytes(self, category: str, device: str, nbytes: int) -> None:
         dev = self.by_device.setdefault(device, {c: 0 for c in CATEGORIES})
         dev[category] = dev.get(category, 0) + int(nbytes)

@@ -62,6 +62,21 @@ class ShardPlacement:
     def after_write_back(self) -> None:
         return None
 
+    # Generic hooks with no-op defaults (an offload placement uses them):
+    def synchronize(self) -> None:
+        """Complete optimizer work still in flight (a delayed CPU step), so that masters and
+        optimizer states are current. Called before anything reads or replaces them."""
+        return None
+
+    def close(self) -> None:
+        """Release threads/files (engine.destroy)."""
+        return None
+
+    def add_memory(self, ledger: Any) -> None:
+        """Add what the placement holds besides masters and optimizer states (host gradient and
+        staging buffers, bytes on NVMe) to a ``memory.MemoryLedger``."""
+        return None
+
     @property
     def optimizer_device(self) -> torch.device:
         raise NotImplementedError
@@ -124,6 +139,10 @@ class ShardedOptimizerState:
 
     def attach(self, optimizer: Optimizer) -> None:
         self.optimizer = optimizer
+
+    def synchronize(self) -> None:
+        """Masters and optimizer states current (see ShardPlacement.synchronize)."""
+        self.placement.synchronize()
 
     def step(self, grad_shards: Sequence[torch.Tensor]) -> None:
         assert self.optimizer is not None

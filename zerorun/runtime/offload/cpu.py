@@ -1,0 +1,46 @@
+"""``offload_optimizer: {device: cpu}``: fp32 masters and optimizer states in host memory.
+
+The pipeline (gradient copies, tiled CPU step, parameter copies, delayed update) is
+``pipeline.HostPlacement``; this class only says the storage is ordinary host memory. Masters
+are not pinned: nothing copies them to or from the GPU (the gradients arrive in a pinned buffer
+and the parameters leave from a pinned staging buffer in the parameter dtype).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import torch
+
+from zerorun.runtime.offload.pipeline import HostPlacement, StepJob, TileView
+
+__all__ = ["CpuPlacement"]
+
+
+class CpuPlacement(HostPlacement):
+    name = "cpu"
+
+    def _new_master(self, index: int, numel: int, fp32_init: Callable[[], torch.Tensor]) -> torch.Tensor:
+        master = torch.empty(numel, dtype=torch.float32)
+        with torch.no_grad():
+            master.copy_(fp32_init())
+        return master
+
+    def _state_tensor(self, index: int, key: str) -> torch.Tensor:
+        return torch.zeros_like(self.masters[index])
+
+    def _tile_views(self, job: StepJob) -> Iterator[TileView]:
+        for i, master in enumerate(self.masters):
+            state = job.states[i] or {}
+            for k, (a, b) in enumerate(self.tiles[i]):
+                vmax = state.get("max_exp_avg_sq")
+                yield TileView(
+                    i,
+                    k,
+                    a,
+                    b,
+                    master[a:b],
+                    state["exp_avg"][a:b] if state else master[a:b],
+                    state["exp_avg_sq"][a:b] if state else master[a:b],
+                    vmax[a:b] if vmax is not None else None,
+                )

@@ -1,0 +1,80 @@
+"""``offload_param`` (stage 3): the at-rest parameter shards on the host (Contract 6's
+``ParamShardStore`` seam, ``runtime/stage3/store.py``).
+
+* ``cpu``: each shard is a host tensor (page-locked with ``pin_memory``). ``fetch`` -- called
+  when stage 3 issues the group's all-gather, i.e. ahead of use when the group is prefetched --
+  starts the host->device copy on a side stream and orders the training stream after it (event
+  wait, no host sync), so the copy is prefetched with the gather.
+* ``nvme``: each shard is a file under ``nvme_path`` mapped into memory; ``fetch`` reads it
+  through the page cache into a (pinned) host buffer, then copies it up as above.
+
+The optimizer's write-back lands directly in the host shard (``ShardPlacement.write_back`` is
+given it as ``dst``). On a CPU training device (tests) ``fetch`` returns the shard itself.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from zerorun.runtime.offload.host import Copier, host_empty
+from zerorun.runtime.offload.options import OffloadOptions
+
+__all__ = ["HostParamStore", "param_store_for"]
+
+
+class HostParamStore:
+    """Implements ``runtime.stage3.store.ParamShardStore`` (duck-typed: offload does not import
+    stage 3)."""
+
+    resident = False
+
+    def __init__(self, opts: OffloadOptions, device: torch.device) -> None:
+        self.device = device
+        self.pin = opts.param_pin_memory and device.type == "cuda"
+        self.copier = Copier(device)
+        self._shards: dict[int, torch.Tensor] = {}
+        self._files = None
+        if opts.param_device == "nvme":
+            from zerorun.runtime.offload.nvme import TileFiles
+
+            assert opts.param_nvme_path is not None
+            self._files = TileFiles(opts.param_nvme_path, int(os.environ.get("RANK", "0") or 0))
+        self.fetches = 0  # host->device copies issued (tests check the store is used)
+
+    def allocate(self, key: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        if self._files is not None:
+            shard = self._files.create_typed(f"param{key}", numel, dtype)
+        else:
+            shard = host_empty(numel, dtype, pin=self.pin)
+            shard.zero_()
+        self._shards[key] = shard
+        return shard
+
+    def fetch(self, key: int, shard: torch.Tensor) -> torch.Tensor:
+        self.fetches += 1
+        if self.device.type != "cuda":
+            return shard
+        src = shard
+        if self._files is not None:
+            src = host_empty(shard.numel(), shard.dtype, pin=self.pin)
+            src.copy_(shard)  # file pages -> pinned buffer (host thread; page cache)
+        out = torch.empty(shard.numel(), dtype=shard.dtype, device=self.device)
+        done = self.copier.to_device(out, src, self.copier.ready())
+        self.copier.fence(done)
+        return out
+
+    def release(self, key: int, fetched: torch.Tensor) -> None:
+        return None  # the device copy is dropped; the allocator reuses it in stream order
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [] if self._files is not None else list(self._shards.values())
+
+    def close(self) -> None:
+        if self._files is not None:
+            self._files.close()
+
+
+def param_store_for(opts: OffloadOptions, device: torch.device) -> HostParamStore:
+    return HostParamStore(opts, device)

@@ -1,0 +1,277 @@
+"""``HostPlacement``: fp32 masters and optimizer states on the host, the optimizer step on the CPU,
+pipelined in tiles with the copies (Contract 6's ShardPlacement seam).
+
+One optimizer step, exact mode (the engine has the global norm and has clipped/unscaled the
+gradient shards on the device before ``ShardedOptimizerState.step``):
+
+    grad_for_step(i)   queue D2H copies of gradient shard i, tile by tile      [side stream, async]
+    step(optimizer)    on the worker thread, tile after tile:
+                         wait for the tile's gradient copy -> Adam on the tile ->
+                         convert the tile to the parameter dtype (host staging) ->
+                         queue its H2D copy into the parameter shard            [other side stream]
+    write_back(i, dst) nothing left when the tile loop already wrote into ``dst``;
+                       otherwise (first step: the destination is learned here) copy now
+    after_write_back() the training stream waits for the last H2D copy (event wait, no host sync)
+
+So the gradient copies overlap the step of earlier tiles and the parameter copies overlap the
+step of later ones: the step costs about the CPU update alone. The destination of each shard
+is remembered from ``write_back`` (stages keep it for the life of the engine); if it changes,
+the new one gets a full copy. In delayed mode (dpu.py) the tile loop is launched in
+``after_write_back`` and runs during the next forward/backward; ``write_back`` then copies the
+previous update from the staging buffer.
+
+Host memory per rank (shard of N elements): fp32 master 4N, fp32 gradients 4N (pinned), staging
+in the parameter dtype 2N or 4N (pinned), optimizer states (Adam 8N) -- reported in the memory
+summary under the device ``cpu``.
+
+Subclasses decide where masters and states live (``CpuPlacement``: memory; ``NvmePlacement``:
+files) through ``_new_master``, ``_state_tensor``, ``_tile_size`` and ``_tile_views``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.optim import Optimizer
+
+from zerorun.runtime.offload.adam import AdamHyper, adam_tile, ensure_state, hyper_of, supports_tiles
+from zerorun.runtime.offload.dpu import DelayPolicy
+from zerorun.runtime.offload.host import Copier, host_empty, tiles
+from zerorun.runtime.offload.options import OffloadOptions
+from zerorun.runtime.offload.runner import StepRunner
+from zerorun.runtime.sharded_state import ShardPlacement
+
+__all__ = ["HostPlacement", "StepJob", "TileView"]
+
+Event = Any  # torch.cuda.Event | None
+
+
+@dataclass
+class StepJob:
+    """One optimizer step, prepared on the training thread (hyperparameters read before the
+    scheduler moves them, step counters incremented) and run on the worker."""
+
+    optimizer: Optimizer
+    tiled: bool
+    hypers: list[AdamHyper | None] = field(default_factory=list)
+    states: list[dict[str, torch.Tensor] | None] = field(default_factory=list)
+
+
+@dataclass
+class TileView:
+    """Where the tile loop reads and writes tile k of master i (views of the real storage, or
+    I/O buffers that the iterator writes back after the update)."""
+
+    i: int
+    k: int
+    a: int
+    b: int
+    param: torch.Tensor
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    max_exp_avg_sq: torch.Tensor | None
+
+
+class HostPlacement(ShardPlacement):
+    name = "cpu"
+
+    def __init__(self, opts: OffloadOptions, device: torch.device) -> None:
+        self.opts = opts
+        self.device = device
+        self.pin = opts.pin_memory and device.type == "cuda"
+        self.copier = Copier(device)
+        self.runner = StepRunner(opts.step_threads(), device)
+        self.delay = DelayPolicy(opts.delayed_update, opts.delayed_warmup)
+        self.masters: list[torch.Tensor] = []
+        self.grads: list[torch.Tensor] = []  # fp32 gradient shards on the host (D2H targets)
+        self.staging: list[torch.Tensor] = []  # updated shards in the parameter dtype (H2D sources)
+        self.tiles: list[list[tuple[int, int]]] = []
+        self._grad_ev: list[list[Event]] = []
+        self._up_ev: list[list[Event]] = []  # last H2D copy out of each staging tile
+        self._fresh: list[bool] = []  # staging holds an update its destination has not received
+        self._targets: dict[int, torch.Tensor] = {}
+        self._ready: Event = None  # event on the training stream at the start of this step
+        self._last_down: Event = None  # most recent copy on each side stream: fencing on it
+        self._last_up: Event = None  # orders every earlier copy of that stream too
+        self._in_step = False
+        self._launch: StepJob | None = None
+        self.steps = 0  # optimizer steps taken (delayed ones included)
+        self.delayed_steps = 0
+
+    # -- storage (subclasses) -----------------------------------------------------------------
+    def _new_master(self, index: int, numel: int, fp32_init: Callable[[], torch.Tensor]) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _state_tensor(self, index: int, key: str) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _tile_size(self) -> int:
+        return self.opts.cpu_tile
+
+    def _tile_views(self, job: StepJob) -> Iterator[TileView]:
+        raise NotImplementedError
+
+    def _prepare_storage(self, job: StepJob) -> None:
+        """Hook before the tile loop is launched (training thread)."""
+        return None
+
+    # -- ShardPlacement -------------------------------------------------------------------------
+    @property
+    def optimizer_device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def make_master(
+        self, index: int, param_shard: torch.Tensor, fp32_init: Callable[[], torch.Tensor]
+    ) -> torch.Tensor:
+        n = param_shard.numel()
+        master = self._new_master(index, n, fp32_init)
+        staging = host_empty(n, param_shard.dtype, pin=self.pin)
+        with torch.no_grad():
+            staging.copy_(master)
+        parts = tiles(n, self._tile_size())
+        self.masters.append(master)
+        self.grads.append(host_empty(n, torch.float32, pin=self.pin))
+        self.staging.append(staging)
+        self.tiles.append(parts)
+        self._grad_ev.append([None] * len(parts))
+        self._up_ev.append([None] * len(parts))
+        self._fresh.append(False)
+        return master
+
+    def grad_for_step(self, index: int, grad_shard: torch.Tensor, master: torch.Tensor) -> torch.Tensor:
+        self.runner.join()  # a delayed step may still be reading self.grads
+        if not self._in_step:
+            self._in_step = True
+            self._ready = self.copier.ready()
+        host = self.grads[index]
+        src = grad_shard.reshape(-1)
+        self._grad_ev[index] = [self.copier.to_host(host[a:b], src[a:b], self._ready) for a, b in self.tiles[index]]
+        self._last_down = self._grad_ev[index][-1]
+        return host
+
+    def before_step(self) -> None:
+        # Later work on the training stream (zeroing the gradient shards) must not overtake the
+        # copies; one side stream, so the last event covers them all.
+        self.copier.fence(self._last_down)
+
+    def step(self, optimizer: Optimizer) -> None:
+        tiled = supports_tiles(optimizer)
+        delayed = self.delay.delayed(self.steps, tiled=tiled, optimizer_name=type(optimizer).__name__)
+        job = self._prepare(optimizer, tiled)
+        self.steps += 1
+        if delayed:
+            self._launch = job  # launched by after_write_back, once the previous update is copied
+            self.delayed_steps += 1
+        else:
+            self.runner.run(lambda: self._update(job, push=True))
+
+    def write_back(self, index: int, master: torch.Tensor, dst: torch.Tensor) -> None:
+        if not self._in_step:
+            # Outside a step (e.g. after a checkpoint load wrote the masters): the masters are
+            # the truth; refresh the staging copy from them.
+            self.runner.join()
+            self._ready = self.copier.ready()
+            with torch.no_grad():
+                self.staging[index].copy_(master)
+            self._fresh[index] = True
+        prev = self._targets.get(index)
+        same = (
+            prev is not None
+            and prev.data_ptr() == dst.data_ptr()
+            and prev.numel() == dst.numel()
+            and prev.dtype == dst.dtype
+        )
+        self._targets[index] = dst
+        if self._fresh[index] or not same:
+            flat = dst.reshape(-1)
+            for k, (a, b) in enumerate(self.tiles[index]):
+                self._up_ev[index][k] = self._last_up = self.copier.to_device(
+                    flat[a:b], self.staging[index][a:b], self._ready
+                )
+            self._fresh[index] = False
+
+    def after_write_back(self) -> None:
+        self.copier.fence(self._last_up)
+        job, self._launch = self._launch, None
+        if job is not None:
+            self.runner.submit(lambda: self._update(job, push=False))
+        self._ready = None
+        self._in_step = False
+
+    # -- generic hooks (Contract 6) ------------------------------------------------------------
+    def synchronize(self) -> None:
+        self.runner.join()
+
+    def close(self) -> None:
+        self.runner.close()
+        store = getattr(self, "param_store", None)
+        if store is not None:
+            store.close()
+
+    def add_memory(self, ledger: Any) -> None:
+        ledger.add("grads", self.grads)
+        ledger.add("buffers", self.staging)
+
+    # -- the step ------------------------------------------------------------------------------
+    def _prepare(self, optimizer: Optimizer, tiled: bool) -> StepJob:
+        job = StepJob(optimizer, tiled)
+        if not tiled:
+            return job
+        group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+        for i, m in enumerate(self.masters):
+            group = group_of.get(id(m))
+            if group is None:  # not optimised (cannot happen with initialize's groups; be safe)
+                job.hypers.append(None)
+                job.states.append(None)
+                continue
+            h = hyper_of(optimizer, group)
+            state = ensure_state(optimizer, m, h, make=lambda key, i=i: self._state_tensor(i, key))
+            state["step"] += 1
+            job.hypers.append(h)
+            job.states.append(state)
+        self._prepare_storage(job)
+        return job
+
+    def _update(self, job: StepJob, *, push: bool) -> None:
+        """Worker thread: the optimizer step, then staging (+ H2D when ``push``)."""
+        with torch.no_grad():
+            if not job.tiled:
+                for row in self._grad_ev:
+                    for ev in row:
+                        Copier.wait(ev)
+                job.optimizer.step()  # masters' .grad are the host gradients (state.step set them)
+                for i, m in enumerate(self.masters):
+                    for k, (a, b) in enumerate(self.tiles[i]):
+                        self._stage_tile(i, k, a, b, m[a:b], push)
+                return
+            for t in self._tile_views(job):
+                h, state = job.hypers[t.i], job.states[t.i]
+                Copier.wait(self._grad_ev[t.i][t.k])
+                if h is not None and state is not None:
+                    adam_tile(
+                        t.param,
+                        self.grads[t.i][t.a : t.b],
+                        t.exp_avg,
+                        t.exp_avg_sq,
+                        t.max_exp_avg_sq,
+                        state["step"],
+                        h,
+                    )
+                self._stage_tile(t.i, t.k, t.a, t.b, t.param, push)
+
+    def _stage_tile(self, i: int, k: int, a: int, b: int, updated: torch.Tensor, push: bool) -> None:
+        Copier.wait(self._up_ev[i][k])  # the previous copy out of this staging tile is done
+        self.staging[i][a:b].copy_(updated)
+        target = self._targets.get(i) if push else None
+        if target is None:
+            self._fresh[i] = True
+            return
+        self._up_ev[i][k] = self._last_up = self.copier.to_device(
+            target.reshape(-1)[a:b], self.staging[i][a:b], self._ready
+        )
+        if k == len(self.tiles[i]) - 1:
+            self._fresh[i] = False
+
