@@ -1,0 +1,196 @@
+"""``build_stage3``: trainable parameters -> groups -> at-rest shards + master shards + hooks.
+
+Values come from the parameters as the user built them: full tensors (anywhere; each rank
+copies only its shard to the device, then the full tensor is dropped), or parameters partitioned
+by ``zerorun.zero.Init`` (each is all-gathered once, one parameter at a time, to cut the group's
+shards -- never the whole model at once). The fp32 values become the master shards, so masters
+start exactly at the user's initialization, not at its 16-bit rounding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from torch import nn
+
+from zerorun.runtime.collectives import Communicator
+from zerorun.runtime.flat_params import TrainableParam
+from zerorun.runtime.partition import FlatLayout, ParamSpec, plan_flat_buffers
+from zerorun.runtime.precision import dtype_name
+from zerorun.runtime.sharded_state import ShardedOptimizerState, ShardPlacement
+from zerorun.runtime.stage3.groups import plan_groups
+from zerorun.runtime.stage3.hooks import Stage3Hooks
+from zerorun.runtime.stage3.param_group import ParamGroup
+from zerorun.runtime.stage3.schedule import Schedule
+from zerorun.runtime.stage3.stage import Stage3
+from zerorun.runtime.stage3.store import DeviceParamStore, ParamShardStore
+
+__all__ = ["build_stage3", "Stage3Options", "full_values"]
+
+_ONE_BUFFER = 1 << 62  # a group is one flat buffer per optimizer param group, whatever its size
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage3Options:
+    persistence_threshold: int = 100_000
+    prefetch_numel: int = 50_000_000
+    max_live_numel: int = 1_000_000_000
+    max_reuse_distance: int = 1_000_000_000
+    group_modules: tuple[str, ...] | None = None
+    group_min_numel: int = 0
+    reshard_after_forward: bool = True
+    check_order: bool = False
+
+    @classmethod
+    def from_settings(cls, settings: Any) -> Stage3Options:
+        def num(section: Any, key: str, default: int) -> int:
+            value = getattr(section, key, None) if section is not None else None
+            if isinstance(section, dict):
+                value = section.get(key)
+            return default if value is None or value == "auto" else int(value)
+
+        zero, zr = settings.zero, settings.zerorun
+
+        def opt(key: str, default: Any) -> Any:
+            value = zr.get(key) if isinstance(zr, dict) else getattr(zr, key, None)
+            return default if value is None else value
+
+        modules = opt("stage3_group_modules", None)
+        return cls(
+            persistence_threshold=num(zero, "stage3_param_persistence_threshold", 100_000),
+            prefetch_numel=num(zero, "stage3_prefetch_bucket_size", 50_000_000),
+            max_live_numel=num(zero, "stage3_max_live_parameters", 1_000_000_000),
+            max_reuse_distance=num(zero, "stage3_max_reuse_distance", 1_000_000_000),
+            group_modules=tuple(modules) if modules else None,
+            group_min_numel=int(opt("stage3_group_min_numel", 0)),
+            reshard_after_forward=bool(opt("stage3_reshard_after_forward", True)),
+            check_order=bool(opt("stage3_check_order", False)),
+        )
+
+
+def full_values(p: nn.Parameter) -> torch.Tensor:
+    """The parameter's full values, flattened. Collective for a ``zero.Init`` parameter (every
+    rank must call it for the same parameters in the same order)."""
+    handle = getattr(p, "_zerorun_init", None)
+    if handle is not None:
+        return handle.materialize()
+    return p.detach().reshape(-1)
+
+
+def _fp32_shards(
+    layouts: list[FlatLayout], params: list[list[nn.Parameter]], rank: int, device: torch.device
+) -> list[torch.Tensor]:
+    out = []
+    for layout, ps in zip(layouts, params, strict=True):
+        start, end = layout.shard_range(rank)
+        shard = torch.zeros(end - start, dtype=torch.float32, device=device)
+        for slot, p in zip(layout.slots, ps, strict=True):
+            lo, hi = max(start, slot.offset), min(end, slot.offset + slot.numel)
+            values = full_values(p)  # every slot, also outside our range: may be collective
+            if lo < hi:
+                shard[lo - start : hi - start].copy_(values[lo - slot.offset : hi - slot.offset])
+            del values
+        out.append(shard)
+    return out
+
+
+def _shape(p: nn.Parameter) -> tuple[int, ...]:
+    handle = getattr(p, "_zerorun_init", None)
+    return tuple(handle.shape) if handle is not None else tuple(p.shape)
+
+
+def _materialize_untrained(module: nn.Module, trained: set[int]) -> None:
+    """Parameters ``zero.Init`` partitioned that stage 3 does not train (frozen ones) are kept
+    whole and replicated, like at stages 0-2."""
+    seen: set[int] = set()
+    for _name, p in module.named_parameters():
+        if id(p) in trained or id(p) in seen:
+            continue
+        seen.add(id(p))
+        handle = getattr(p, "_zerorun_init", None)
+        if handle is not None:
+            values = handle.materialize().view(handle.shape)
+            handle.detach_from(p)
+            p.data = values.to(handle.dtype)
+
+
+def build_stage3(
+    settings: Any,
+    module: nn.Module,
+    trainable: list[TrainableParam],
+    *,
+    comm: Communicator,
+    device: torch.device,
+    placement: ShardPlacement,
+) -> Stage3:
+    opts = Stage3Options.from_settings(settings)
+    policy = settings.policy
+    store: ParamShardStore = getattr(placement, "param_store", None) or DeviceParamStore(device)
+    world, rank = comm.world_size, comm.rank
+    plans = plan_groups(
+        module,
+        trainable,
+        persistence_threshold=opts.persistence_threshold,
+        class_names=opts.group_modules,
+        min_numel=opts.group_min_numel,
+    )
+    layouts_all: list[FlatLayout] = []
+    fp32_all: list[torch.Tensor] = []
+    groups: list[ParamGroup] = []
+    with torch.no_grad():
+        for gi, plan in enumerate(plans):
+            ordered = sorted(plan.params, key=lambda t: t.group)  # stable: registration order kept
+            by_name = {t.name: t.param for t in ordered}
+            specs = [
+                ParamSpec(t.name, _shape(t.param), dtype_name(policy.param_dtype), t.group, t.aliases)
+                for t in ordered
+            ]
+            layouts = [
+                dataclasses.replace(layout, index=len(layouts_all) + j)
+                for j, layout in enumerate(plan_flat_buffers(specs, num_shards=world, bucket_numel=_ONE_BUFFER))
+            ]
+            params = [[by_name[s.name] for s in layout.slots] for layout in layouts]
+            fp32 = _fp32_shards(layouts, params, rank, device)
+            for ps in params:
+                for p in ps:
+                    handle = getattr(p, "_zerorun_init", None)
+                    if handle is not None:
+                        handle.detach_from(p)
+            groups.append(
+                ParamGroup(
+                    gi,
+                    plan.name,
+                    plan.module,
+                    layouts,
+                    params,
+                    comm=comm,
+                    device=device,
+                    param_dtype=policy.param_dtype,
+                    reduce_dtype=policy.reduce_dtype,
+                    store=store,
+                    persistent=plan.persistent,
+                    fp32_shards=fp32,
+                )
+            )
+            layouts_all.extend(layouts)
+            fp32_all.extend(fp32)
+        _materialize_untrained(module, {id(t.param) for t in trainable})
+    shards = [g.at_rest[li] for g in groups for li in range(len(g.layouts))]
+    state = ShardedOptimizerState(layouts_all, rank, shards, lambda i: fp32_all[i], placement)
+    fp32_all.clear()  # the masters own these now (or they were copies that can go)
+    schedule = Schedule(
+        groups,
+        prefetch_numel=opts.prefetch_numel,
+        max_live_numel=opts.max_live_numel,
+        max_reuse_distance=opts.max_reuse_distance,
+    )
+    hooks = Stage3Hooks(
+        module,
+        groups,
+        schedule,
+        reshard_after_forward=opts.reshard_after_forward,
+        check_order=opts.check_order,
+    )
+    return Stage3(groups, hooks, schedule, state, comm)

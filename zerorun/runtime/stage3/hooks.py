@@ -1,0 +1,264 @@
+"""Forward/backward hooks that drive the groups: gather before use, release after, reduce-scatter
+gradients right after a group's backward.
+
+Per group module:
+
+* forward pre-hook: record the order, prefetch what followed last time, gather (wait) this
+  group; with grad enabled, wrap the tensor inputs in ``_PostBackward`` -- an identity whose
+  backward runs once the gradients of the inputs are computed, i.e. after the whole backward of
+  this call of the module (FSDP2's ``RegisterPostBackwardFunction``);
+* forward post-hook: with grad enabled, register a multi-grad hook on the outputs -- it fires
+  when the first output gradient arrives, *before* the module's backward ("pre-backward"), and
+  gathers the group again (prefetching the next one); then release the group unless it is kept
+  (root group, ``reshard_after_forward: false``, or reused soon, schedule.py);
+* pre-backward: gather, record the backward order, prefetch;
+* post-backward: when every call of the module in this forward has finished its backward (a
+  module called twice reduces once), reduce-scatter the group's gradients and release it.
+
+Whatever the hooks could not attribute (a call whose inputs needed no gradient, the root, the
+persistent group, groups gathered by a recomputation) is finished by one callback queued on
+the autograd engine at the first pre-backward, which runs when the backward ends -- also when
+the script calls ``loss.backward()`` itself. Groups are reduced there in index order, the same
+on every rank.
+
+Inside a backward (``torch._C._current_graph_task_id() != -1``) a forward is a recomputation
+(activation checkpointing): its hooks only make sure the group is gathered.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.autograd.graph import register_multi_grad_hook
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from zerorun.errors import RuntimeConfigError
+from zerorun.runtime.collectives import Pending
+from zerorun.runtime.stage3.param_group import ParamGroup
+from zerorun.runtime.stage3.schedule import Schedule
+
+__all__ = ["Stage3Hooks"]
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+class _PostBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, hooks: Stage3Hooks, group: ParamGroup, *inputs: torch.Tensor) -> Any:  # type: ignore[override]
+        ctx.hooks = hooks
+        ctx.group = group
+        return tuple(x.view_as(x) for x in inputs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> Any:  # type: ignore[override]
+        ctx.hooks.post_backward(ctx.group)
+        return (None, None, *grads)
+
+
+class _Calls:
+    """Per-group bookkeeping of one forward/backward."""
+
+    __slots__ = ("hooked", "unhooked", "fired", "reduced", "touched")
+
+    def __init__(self) -> None:
+        self.hooked = 0  # grad-enabled calls whose inputs carry a _PostBackward
+        self.unhooked = 0  # grad-enabled calls without (inputs needed no gradient)
+        self.fired = 0
+        self.reduced = False
+        self.touched = False  # gathered during the backward (pre-backward or recomputation)
+
+
+class Stage3Hooks:
+    max_inflight = 2  # reduce-scatters outstanding before the oldest is waited for
+
+    def __init__(
+        self,
+        root: nn.Module,
+        groups: Sequence[ParamGroup],
+        schedule: Schedule,
+        *,
+        reshard_after_forward: bool,
+        check_order: bool,
+    ) -> None:
+        self.root = root
+        self.groups = list(groups)
+        self.schedule = schedule
+        self.reshard_after_forward = reshard_after_forward
+        self.check_order = check_order
+        self.calls = [_Calls() for _ in self.groups]
+        self.pending: list[Pending] = []
+        self.backward_open = False
+        self.launches = 0  # reduce-scatters issued (tests assert overlap)
+        self.launched_during_backward = 0
+        self.peak_staging_bytes = 0
+        self._staging_live = 0
+        self._handles: list[Any] = []
+        self._root_group = next((g for g in self.groups if g.module is root and not g.persistent), None)
+        for g in self.groups:
+            if g.module is None or g.persistent:
+                continue
+            self._handles.append(
+                g.module.register_forward_pre_hook(self._pre_forward_hook(g), with_kwargs=True, prepend=True)
+            )
+            self._handles.append(g.module.register_forward_hook(self._post_forward_hook(g), prepend=False))
+        self._handles.append(root.register_forward_pre_hook(self._root_pre, prepend=True))
+        self._handles.append(root.register_forward_hook(self._root_post))
+
+    def remove_hooks(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    # -- root: one forward pass -------------------------------------------------------------------
+    def _root_pre(self, _module: nn.Module, _args: Any) -> None:
+        if not _in_backward():
+            self.schedule.begin_forward()
+
+    def _root_post(self, _module: nn.Module, _args: Any, output: Any) -> None:
+        if _in_backward():
+            return
+        grad = torch.is_grad_enabled()
+        self.schedule.end_forward(grad)
+        if grad:
+            # Opens the backward bookkeeping (and queues its final callback) even when no
+            # group's own pre-backward hook fires, e.g. a model with only persistent parameters.
+            outs = [x for x in tree_flatten(output)[0] if torch.is_tensor(x) and x.requires_grad]
+            if outs:
+                register_multi_grad_hook(outs, lambda _grads: self._open_backward(), mode="any")
+        if self.check_order:
+            self._check_same_order(self.schedule.fwd_cur, "forward")
+        if not grad:  # no backward follows: nothing stays gathered
+            for g in self.groups:
+                g.release()
+
+    # -- group forward ----------------------------------------------------------------------------
+    def _pre_forward_hook(self, g: ParamGroup) -> Any:
+        def hook(_module: nn.Module, args: Any, kwargs: Any) -> Any:
+            if _in_backward():  # recomputation (activation checkpointing)
+                self.calls[g.index].touched = True
+                g.wait()
+                self.schedule.note_live()
+                return None
+            upcoming = self.schedule.on_forward(g)
+            g.wait()
+            self.schedule.prefetch(g, upcoming)
+            if not torch.is_grad_enabled():
+                return None
+            calls = self.calls[g.index]
+            flat, spec = tree_flatten((args, kwargs))
+            idx = [i for i, x in enumerate(flat) if torch.is_tensor(x) and x.requires_grad]
+            if not idx:
+                calls.unhooked += 1
+                return None
+            calls.hooked += 1
+            wrapped = _PostBackward.apply(self, g, *(flat[i] for i in idx))
+            for i, w in zip(idx, wrapped, strict=True):
+                flat[i] = w
+            return tree_unflatten(flat, spec)
+
+        return hook
+
+    def _post_forward_hook(self, g: ParamGroup) -> Any:
+        def hook(_module: nn.Module, _args: Any, output: Any) -> None:
+            if _in_backward():
+                return
+            self.schedule.on_post_forward(g)
+            if torch.is_grad_enabled():
+                outs = [x for x in tree_flatten(output)[0] if torch.is_tensor(x) and x.requires_grad]
+                if outs:
+                    register_multi_grad_hook(outs, lambda _grads: self.pre_backward(g), mode="any")
+                if g is self._root_group or not self.reshard_after_forward:
+                    return
+                if self.schedule.keep_after_forward(g):
+                    return
+            if g is not self._root_group:
+                g.release()
+
+        return hook
+
+    # -- backward -----------------------------------------------------------------------------------
+    def _open_backward(self) -> None:
+        if not self.backward_open:
+            self.backward_open = True
+            self.schedule.begin_backward()
+            torch.autograd.Variable._execution_engine.queue_callback(self.finish_backward)
+
+    def pre_backward(self, g: ParamGroup) -> None:
+        self._open_backward()
+        self.calls[g.index].touched = True
+        upcoming = self.schedule.on_backward(g)
+        g.wait()
+        self.schedule.prefetch(g, upcoming)
+
+    def post_backward(self, g: ParamGroup) -> None:
+        calls = self.calls[g.index]
+        calls.fired += 1
+        if calls.reduced or calls.unhooked or calls.fired < calls.hooked:
+            return
+        self._reduce(g)
+        g.release()
+
+    def finish_backward(self) -> None:
+        """End of the backward (autograd's final callback): reduce what is left in group order,
+        release everything, reset the per-pass bookkeeping."""
+        if not self.backward_open:
+            return
+        for g, calls in zip(self.groups, self.calls, strict=True):
+            if not calls.reduced and (calls.hooked or calls.unhooked or calls.touched or g.persistent):
+                self._reduce(g)
+        for g in self.groups:
+            g.release()
+        self.calls = [_Calls() for _ in self.groups]
+        if self.check_order:
+            self._check_same_order(self.schedule.bwd_cur, "backward")
+        self.schedule.end_backward()
+        self.backward_open = False
+
+    def wait_reductions(self) -> None:
+        while self.pending:
+            self.pending.pop(0).wait()
+        self._staging_live = 0
+
+    def _reduce(self, g: ParamGroup) -> None:
+        self.calls[g.index].reduced = True
+        issued = g.reduce_grads()
+        for p in issued:
+            self.launches += 1
+            if self.backward_open:
+                self.launched_during_backward += 1
+            self.pending.append(p)
+        self._staging_live += g.staging_bytes() * len(issued)
+        self.peak_staging_bytes = max(self.peak_staging_bytes, self._staging_live)
+        while len(self.pending) > self.max_inflight:
+            self.pending.pop(0).wait()
+            self._staging_live = max(0, self._staging_live - g.staging_bytes())
+
+    # -- debug: same order on every rank --------------------------------------------------------
+    def _check_same_order(self, order: list[int], what: str) -> None:
+        import torch.distributed as dist
+
+        comm = self.groups[0].comm if self.groups else None
+        if comm is None or comm.world_size == 1:
+            return
+        gathered: list[Any] = [None] * comm.world_size
+        dist.all_gather_object(gathered, list(order), group=comm.group)
+        if all(o == gathered[0] for o in gathered):
+            return
+
+        def names(o: list[int]) -> str:
+            return " -> ".join(self.groups[i].name or "<root>" for i in o)
+
+        lines = [f"  rank {r}: {names(o)}" for r, o in enumerate(gathered)]
+        raise RuntimeConfigError(
+            f"ZeRO stage 3: ranks ran the parameter groups in different orders in this {what} "
+            "(each rank gathers the groups it runs; different orders mix weights or hang):\n"
+            + "\n".join(lines)
+            + "\nMake data-dependent branches take the same path on every rank within a step "
+            "(e.g. decide from an all-reduced value), or keep the branch's module out of its own group "
+            "(zerorun.stage3_group_modules)."
+        )

@@ -1,0 +1,118 @@
+"""The stage-3 stage object: the Contract 6 stage interface over parameter groups.
+
+    begin_backward / end_backward    the hooks (hooks.py) reduce-scatter during the backward;
+                                     end_backward finishes what is left and waits
+    grad_shards()                    each flat buffer's reduced gradient shard (reduce dtype)
+    step(grads)                      optimizer on the master shards, write-back into the at-rest
+                                     parameter shards; the next forward gathers the new values
+                                     (persistent parameters are all-gathered here)
+    state / layouts / memory_tensors / buffer_peak_bytes / params_from_masters (checkpoints)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from zerorun.runtime.collectives import Communicator
+from zerorun.runtime.partition import FlatLayout
+from zerorun.runtime.sharded_state import ShardedOptimizerState
+from zerorun.runtime.stage3.hooks import Stage3Hooks
+from zerorun.runtime.stage3.param_group import ParamGroup
+from zerorun.runtime.stage3.schedule import Schedule
+
+__all__ = ["Stage3"]
+
+
+class Stage3:
+    stage = 3
+    grads_replicated = False
+
+    def __init__(
+        self,
+        groups: Sequence[ParamGroup],
+        hooks: Stage3Hooks,
+        schedule: Schedule,
+        state: ShardedOptimizerState,
+        comm: Communicator,
+    ) -> None:
+        self.groups = list(groups)
+        self.hooks = hooks
+        self.reducer = hooks  # the engine's destroy() removes hooks through this name
+        self.schedule = schedule
+        self.state = state
+        self.comm = comm
+        # flat buffer i (state.layouts order) -> (group, position of the layout in the group)
+        self._owner: list[tuple[ParamGroup, int]] = [
+            (g, li) for g in self.groups for li in range(len(g.layouts))
+        ]
+
+    @property
+    def layouts(self) -> list[FlatLayout]:
+        return self.state.layouts
+
+    # -- backward -------------------------------------------------------------------------------
+    def begin_backward(self, *, boundary: bool, first_micro: bool) -> None:
+        # Accumulation needs no flag here: a gradient shard is overwritten by the first reduction
+        # after zero_grad() and added to afterwards (ParamGroup.grad_fresh).
+        return None
+
+    def end_backward(self) -> None:
+        if self.hooks.backward_open:  # the final callback did not run (backward without hooks)
+            self.hooks.finish_backward()
+        self.hooks.wait_reductions()
+
+    def grad_shards(self) -> list[torch.Tensor]:
+        self.hooks.wait_reductions()
+        return [g.grad_shards[li] for g, li in self._owner]
+
+    # -- step -----------------------------------------------------------------------------------
+    def release_all(self) -> None:
+        for g in self.groups:
+            g.release()
+
+    def step(self, grad_shards: Sequence[torch.Tensor]) -> None:
+        self.release_all()  # gathered copies would be stale after the update
+        self.state.step(grad_shards)
+        self._write_back()
+
+    def _write_back(self) -> None:
+        with torch.no_grad():
+            self.state.write_back([g.at_rest[li] for g, li in self._owner])
+            pending = [p for g in self.groups for p in g.refresh_replicas()]
+            for p in pending:
+                p.wait()
+
+    def params_from_masters(self) -> None:
+        """After a checkpoint load: masters -> at-rest shards (+ replicas). Collective."""
+        self.release_all()
+        self._write_back()
+
+    def zero_grad(self) -> None:
+        for g in self.groups:
+            g.zero_grad()
+
+    # -- memory ---------------------------------------------------------------------------------
+    def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
+        params: list[torch.Tensor] = []
+        for g in self.groups:
+            params.extend(g.full if g.resident else g.at_rest)
+        return {
+            "params": params,
+            "grads": [s for g in self.groups for s in g.grad_shards],
+            "master": list(self.state.masters),
+            "optimizer_states": self.state.optimizer_state_tensors(),
+        }
+
+    def gathered_bytes(self) -> int:
+        """Bytes of gathered (live) partitioned parameters right now."""
+        return sum(g.nbytes for g in self.groups if g.live)
+
+    def buffer_peak_bytes(self) -> int:
+        """Peak gathered parameters (prefetched ones included) + peak gradient staging."""
+        esize = torch.empty((), dtype=self.groups[0].dtype).element_size() if self.groups else 0
+        return self.schedule.peak_live_numel * esize + self.hooks.peak_staging_bytes
+
+    def group_of(self, p: torch.nn.Parameter) -> ParamGroup | None:
+        return getattr(p, "_zerorun_group", None)
