@@ -59,6 +59,7 @@ def test_module_not_importable(job: Path, capsys: pytest.CaptureFixture[str]) ->
     (job.parent / "pkg" / "__init__.py").write_text("raise SystemExit('package code must not run in the launcher')")
     _bad(["-m", "pkg.missing"], capsys, job, "no module named 'pkg.missing'")
     _bad(["-m", "not-a.name"], capsys, job, "not a module name")
+    _bad(["--module", "no_such_module_zr", "--x"], capsys, job, "no module named 'no_such_module_zr'")
 
 
 def test_missing_config(job: Path, capsys: pytest.CaptureFixture[str]) -> None:

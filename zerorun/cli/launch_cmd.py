@@ -60,6 +60,9 @@ def launch(
         None, metavar="[ARGS]...", help="Arguments of the script, passed on unchanged."
     ),
     module: Optional[str] = typer.Option(None, "-m", metavar="MODULE", help="Run a module, like python -m."),  # noqa: UP045
+    module_flag: bool = typer.Option(
+        False, "--module", help="SCRIPT is a module name (DeepSpeed's and torchrun's spelling of -m)."
+    ),
     num_gpus: Optional[int] = typer.Option(  # noqa: UP045
         None, "--num-gpus", min=1, help="Ranks per node (default: every visible GPU; 2 CPU ranks without GPU)."
     ),
@@ -113,6 +116,8 @@ def launch(
     if device is not None and device not in ("auto", "cuda", "cpu"):
         raise typer.BadParameter(f"{device!r} is not one of auto, cuda, cpu.", param_hint="--device")
     args = list(script_args or [])
+    if module_flag and module is None and script is not None:
+        module, script = script, None
     if module is not None:
         target = Target(module=module, args=tuple(([script] if script is not None else []) + args))
     else:
