@@ -115,17 +115,23 @@ def test_offload_without_effect_is_ignored_with_a_note():
 
 
 def test_buffers_are_a_separate_capped_term():
-    cfg = load_config(_mixed(2, reduce_bucket_size=1000, allgather_bucket_size=3000))
-    est = model_state_bytes(2000, 4, cfg)
-    assert est.buffers["gpu"] == {"reduce_bucket": 1000 * 4.0, "allgather_bucket": 2000 * 2.0}  # capped at Ψ
-    assert est.total("gpu") == est.model_states("gpu") + 8000
+    # stages 0-1 reduce and gather in place: no buffers
+    assert model_state_bytes(2000, 4, load_config(_mixed(1, reduce_bucket_size=100))).buffers["gpu"] == {}
+    # stage 2: up to three staging buckets of reduce_bucket_size (or the largest layer) elements
+    cfg = load_config(_mixed(2, reduce_bucket_size=1000))
+    est = model_state_bytes(20_000, 4, cfg)
+    assert est.buffers["gpu"] == {"reduce_staging": 3 * 1000 * 4.0}
+    assert est.total("gpu") == est.model_states("gpu") + 12_000
+    assert model_state_bytes(20_000, 4, cfg, largest_layer=8320).buffers["gpu"]["reduce_staging"] == 3 * 8320 * 4.0
+    assert model_state_bytes(1000, 4, cfg).buffers["gpu"]["reduce_staging"] == 1000 * 4.0  # one bucket holds it all
+    assert model_state_bytes(500, 4, cfg).buffers["gpu"]["reduce_staging"] == 500 * 4.0  # capped at Ψ
     s3 = model_state_bytes(
         10**9, 8, load_config(_mixed(3, stage3_prefetch_bucket_size=10**7, stage3_max_live_parameters=10**8)), largest_layer=10**6
     )
     assert s3.buffers["gpu"]["prefetch_bucket"] == 2 * 10**7
     assert s3.buffers["gpu"]["live_params"] == 2 * 10**8
     assert s3.buffers["gpu"]["largest_layer"] == 10**6 * (2 + 4)
-    assert "allgather_bucket" not in s3.buffers["gpu"]
+    assert s3.buffers["gpu"]["reduce_staging"] == 3 * 5 * 10**8 * 4
 
 
 def test_inputs_and_table():

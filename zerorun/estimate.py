@@ -14,8 +14,11 @@ and, at stages 2-3, the gradient slices too (they are copied out as they are red
 `offload_param` (stage 3) moves the parameter slices. The term names are those of the
 runtime's memory ledger (`zerorun/runtime/memory.py`), so measured bytes compare term by term.
 
-Buffers (buckets, prefetch, gathered parameters) are a separate term and an upper bound:
-what the config allows zerorun to hold, capped at the model's size. Activations are not
+Buffers are a separate term and an upper bound of what zerorun's runtime holds besides the
+model states: from stage 2 on, up to three gradient staging buckets (`reduce_bucket_size`
+elements, or the largest layer if larger); at stage 3 the prefetch bucket and the live gathered
+parameters (and one whole layer with `largest_layer`); NVMe staging buffers on the host.
+Stages 0-1 reduce and gather in place (no buffers). Each is capped at the model's size. Activations are not
 model states and are not estimated. Partitioned terms are exactly Ψ/N; the runtime's padding
 (less than one element per rank and flat buffer) is not included.
 
@@ -45,6 +48,9 @@ DEVICES = ("gpu", "cpu", "nvme")
 GB = 1e9
 GIB = float(2**30)
 Offload = Literal["none", "cpu", "nvme"]
+# Gradient staging buffers alive at once from stage 2 on (runtime/grad_reduce.py: max_inflight
+# collectives outstanding + the buffer being filled).
+_REDUCE_STAGING = 3
 
 # Optimizer state bytes per trainable element (fp32 states), by lower-case optimizer name.
 _OPTIMIZER_STATE_BYTES: dict[str, int] = {
@@ -305,14 +311,27 @@ def _buffers(
     holds more than every element)."""
     psi = num_params
     reduce = _size(zero.reduce_bucket_size if zero else None, 500_000_000)
-    allgather = _size(zero.allgather_bucket_size if zero else None, 500_000_000)
     prefetch = _size(zero.stage3_prefetch_bucket_size if zero else None, 50_000_000)
     live = _size(zero.stage3_max_live_parameters if zero else None, 1_000_000_000)
     if zero is not None and "auto" in (zero.reduce_bucket_size, zero.stage3_prefetch_bucket_size):
         notes.append("bucket sizes set to \"auto\": DeepSpeed's defaults assumed")
-    gpu: dict[str, float] = {"reduce_bucket": float(min(reduce, psi) * bpe.grads)}
-    if stage in (1, 2):
-        gpu["allgather_bucket"] = float(min(allgather, psi) * bpe.params)
+    gpu: dict[str, float] = {}
+    # Stages 0-1 reduce gradients in place in their flat buffers (the grads term) and gather the
+    # updated parameters in place: no separate buffers. From stage 2 on, each bucket's gradients
+    # are staged in a buffer that is reduce-scattered and freed, with up to _REDUCE_STAGING of
+    # them alive (runtime/grad_reduce.py: 2 in flight + the one being filled). A bucket holds
+    # whole parameters, so it is at least the largest parameter: --largest-layer bounds that.
+    if stage >= 2:
+        bucket = min(max(reduce, largest_layer or 0), psi)
+        # One bucket when the model fits in one; otherwise parameters larger than the bucket
+        # make more buckets than Ψ / bucket, so count the full three.
+        count = (1 if psi <= bucket else _REDUCE_STAGING) if bucket else 0
+        gpu["reduce_staging"] = float(count * bucket * bpe.grads)
+        if largest_layer is None and reduce < psi:
+            notes.append(
+                "reduce staging assumes no parameter is larger than reduce_bucket_size; "
+                "give --largest-layer for a bound that holds for any model"
+            )
     if stage == 3:
         gpu["prefetch_bucket"] = float(min(prefetch, psi) * bpe.params)
         gpu["live_params"] = float(min(live, psi) * bpe.params)

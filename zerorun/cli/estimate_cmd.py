@@ -154,8 +154,8 @@ def _render(num_params: int, gpus_per_node: int, nodes: int, rows: list[tuple[in
     for note in notes:
         console.print(f"  note: {escape(note)}")
     console.print(
-        "  buffers: reduce/all-gather buckets and (stage 3) prefetch + live parameters, as the config allows "
-        "(DeepSpeed's defaults without --config), capped at the model size"
+        "  buffers (upper bound): gradient staging buckets from stage 2 on, prefetch + live parameters at stage 3, "
+        "as the config sizes them (DeepSpeed's defaults without --config), capped at the model size"
     )
     if loaded is not None and loaded.warnings:
         console.print(f"  [yellow]{len(loaded.warnings)} config warning(s)[/yellow]: see zerorun print-config {config}")
