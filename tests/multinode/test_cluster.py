@@ -30,6 +30,7 @@ from conftest import (
 
 pytestmark = pytest.mark.multinode
 
+HELLO = SCRIPT.with_name("hello.py")
 COMMON = ["--device", "cpu", "--pg_timeout", "60", "--grace_period", "3"]
 
 
@@ -240,9 +241,9 @@ def test_host_keys_accept_new_and_changed(cluster, tmp_path: Path) -> None:  # t
     node3 = cluster.nodes[2]
     hf = tmp_path / "hosts"
     hf.write_text(f"node3 slots=1 GLOO_SOCKET_IFNAME={node3.ifname}\n")
-    args = ["--hostfile", str(hf), *COMMON, "--env", "MN_MODE=train", str(SCRIPT)]
+    args = ["--hostfile", str(hf), *COMMON, str(HELLO)]
     code, out = run_launcher(["--ssh-accept-new-hosts", *args], env=env, cwd=tmp_path)
-    assert code == 0 and "SAME_WEIGHTS True" in out, out
+    assert code == 0 and "[node3:0] HELLO rank=0 node_rank=0" in out, out
     assert cluster.known_hosts_line(node3) in known.read_text()
     # A changed key is refused even with --ssh-accept-new-hosts.
     wrong = cluster.known_hosts_line(cluster.nodes[0]).split(" ", 1)[1]

@@ -56,7 +56,7 @@ def flatten_breakdown(breakdown: Mapping[str, Any] | None, prefix: str = "") -> 
 
 
 def _prefix(plan: LaunchPlan, rank: int) -> str:
-    if len(plan.nodes) > 1:
+    if len(plan.nodes) > 1 or not plan.nodes[0].is_local:  # a remote node: say which
         return f"[{plan.ranks[rank].host}:{rank}]"
     return f"[{rank}]"
 
