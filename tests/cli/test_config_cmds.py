@@ -89,6 +89,16 @@ def test_print_config_batch_arithmetic_and_spellings(tmp_path, capsys):
     assert code == 0 and "train = micro 2 × 1 × world size 3 = 6" in flat(out)
     code, out, err = run(config_cmds.app, [str(q), "--num-gpus", "5"], capsys)  # the flag wins
     assert "world size 5 = 10" in flat(out)
+    # a hostfile named in the config is relative to the config's directory
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "hosts").write_text("a slots=2\nb slots=2\nc slots=2\n")
+    r = tmp_path / "sub" / "h.yaml"
+    r.write_text("train_micro_batch_size_per_gpu: 1\nlauncher: {hostfile: hosts, num_nodes: 2}\n")
+    code, out, err = run(config_cmds.app, [str(r)], capsys)
+    assert code == 0 and "train = micro 1 × 1 × world size 4 = 4" in flat(out), out + err
+    (tmp_path / "sub" / "hosts").write_text("a slots=x\n")
+    code, out, err = run(config_cmds.app, [str(r)], capsys)
+    assert code == 1 and "hosts" in err and "Traceback" not in err
 
 
 @pytest.mark.parametrize(

@@ -83,6 +83,18 @@ def test_article_inline_python_config_as_dict():
     assert loaded.config.optimizer is not None and loaded.config.optimizer.canonical_type == "AdamW"
 
 
+def test_hugging_face_zero3_template_is_clean():
+    # The Trainer integration's documented ZeRO-3 config: all "auto" values stay open.
+    loaded = load_config(DATA / "hf_zero3.json", world_size=8)
+    assert loaded.warnings == [] and loaded.notices == []
+    assert loaded.batch is not None and set(loaded.batch.open) == {
+        "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+    }  # fmt: skip
+    assert "optimizer.params.betas" in loaded.open_autos and "zero_optimization.reduce_bucket_size" in loaded.open_autos
+    assert loaded.config.zero_optimization.stage3_prefetch_bucket_size == "auto"
+    assert loaded.config.mixed_precision == "bf16"
+
+
 def test_every_documented_deepspeed_key_is_known():
     loaded = load_config(DATA / "deepspeed_all_keys.json")
     c = loaded.config
