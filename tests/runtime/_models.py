@@ -82,8 +82,9 @@ def reference_train(
     weight_decay: float,
     scales: list[float] | None = None,
     inject: set[tuple[int, int]] | None = None,  # (step, rank) whose loss is multiplied by inf
+    device: torch.device | str = "cpu",
 ) -> RefResult:
-    master = model
+    master = model.to(device)
     compute = copy.deepcopy(master).to(dtype) if dtype != torch.float32 else master
     m_params = [p for p in master.parameters() if p.requires_grad]
     c_params = [p for p in compute.parameters() if p.requires_grad]
@@ -97,7 +98,7 @@ def reference_train(
             acc = [torch.zeros_like(p, dtype=torch.float32) for p in m_params]
             for micro in range(accum):
                 ids, tgt = batch(case_seed, step, micro, rank, micro_batch)
-                loss = compute(ids, tgt)
+                loss = compute(ids.to(device), tgt.to(device))
                 step_losses[micro][rank] = float(loss)
                 if inject and (step, rank) in inject:
                     loss = loss * math.inf
@@ -109,7 +110,9 @@ def reference_train(
             for t, a in zip(total, acc, strict=True):
                 t.add_(a / world)
         out.losses.append(step_losses)
-        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(t) for t in total])) / scale
+        norm = (
+            torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(t) for t in total])) / scale
+        ).cpu()
         out.norms.append(float(norm))
         if not math.isfinite(float(norm)):
             out.skipped.append(True)
@@ -120,7 +123,7 @@ def reference_train(
         for p, t in zip(m_params, total, strict=True):
             p.grad = t / scale if scale != 1.0 else t
             if coef_t is not None:
-                p.grad.mul_(coef_t)
+                p.grad.mul_(coef_t.to(device))
         del coef
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -128,6 +131,6 @@ def reference_train(
             with torch.no_grad():
                 for c, m in zip(c_params, m_params, strict=True):
                     c.copy_(m)
-    out.master = {n: p.detach().clone() for n, p in master.named_parameters()}
-    out.compute = {n: p.detach().clone() for n, p in compute.named_parameters()}
+    out.master = {n: p.detach().cpu().clone() for n, p in master.named_parameters()}
+    out.compute = {n: p.detach().cpu().clone() for n, p in compute.named_parameters()}
     return out

@@ -45,12 +45,17 @@ def full_masters(engine) -> dict[str, torch.Tensor]:
     """All-gather every rank's fp32 master shards and cut them into named parameters."""
     state = engine.stage.state
     out = {}
+    # gloo gathers CPU tensors (also when the ranks share a GPU); NCCL needs CUDA ones.
+    on = state.masters[0].device if state.masters else torch.device("cpu")
+    if dist.get_backend() != "nccl":
+        on = torch.device("cpu")
     for layout, master in zip(state.layouts, state.masters, strict=True):
-        full = torch.empty(layout.padded_numel, dtype=torch.float32)
+        full = torch.empty(layout.padded_numel, dtype=torch.float32, device=on)
         if layout.num_shards > 1:
-            dist.all_gather_into_tensor(full, master.detach().float().contiguous())
+            dist.all_gather_into_tensor(full, master.detach().float().contiguous().to(on))
         else:
             full.copy_(master.detach().float())
+        full = full.cpu()
         for slot in layout.slots:
             out[slot.name] = full[slot.offset : slot.offset + slot.numel].view(slot.shape).clone()
     return out
@@ -86,7 +91,7 @@ def run_case(case: _cases.Case, rank: int, world: int) -> dict | None:
         before = torch.cat([p.detach().float().reshape(-1) for p in model.parameters()]).sum().item()
         for micro in range(case.accum):
             ids, tgt = _models.batch(seed, step, micro, rank, _cases.MICRO_BATCH)
-            loss = engine(ids, tgt)
+            loss = engine(ids.to(engine.device), tgt.to(engine.device))
             losses.append((step, micro, loss.item()))
             engine.backward(loss * math.inf if (step, rank) in inject else loss)
             engine.step()
@@ -120,7 +125,8 @@ def run_case(case: _cases.Case, rank: int, world: int) -> dict | None:
     }
     gathered = [None] * world
     dist.all_gather_object(gathered, result)
-    compute_params = {n: p.detach().float().clone() for n, p in model.named_parameters()}
+    compute_params = {n: p.detach().float().cpu().clone() for n, p in model.named_parameters()}
+    device = engine.device
     engine.destroy()
     if rank != 0:
         return None
@@ -138,6 +144,7 @@ def run_case(case: _cases.Case, rank: int, world: int) -> dict | None:
         weight_decay=_cases.WEIGHT_DECAY,
         scales=gathered[0]["scales_before"] if case.dtype == "fp16" else None,
         inject=inject,
+        device=device,
     )
     ref_losses = [[ref.losses[s][m][r] for (s, m, _l) in gathered[r]["losses"]] for r in range(world)]
     got_losses = [[v for (_s, _m, v) in g["losses"]] for g in gathered]
@@ -194,7 +201,7 @@ def golden_run(name: str, rank: int) -> list[float]:
         **GOLDEN_CONFIGS[name],
     }
     engine, *_ = zerorun.initialize(model=model, config=cfg)
-    data = SyntheticTokens(cfg_model, 2, "cpu", seed=7, rank=rank)
+    data = SyntheticTokens(cfg_model, 2, engine.device, seed=7, rank=rank)
     losses = []
     for micro in range(12):
         loss = engine(*data.batch(micro))
@@ -210,7 +217,8 @@ def golden_run(name: str, rank: int) -> list[float]:
 def main() -> None:
     out_path = Path(sys.argv[1])
     only = set(sys.argv[2].split(",")) if len(sys.argv) > 2 and sys.argv[2] else None
-    torch.use_deterministic_algorithms(True)
+    # CUDA runs (scripts/gpu_checks.sh) also need CUBLAS_WORKSPACE_CONFIG=:4096:8.
+    torch.use_deterministic_algorithms(True, warn_only=torch.cuda.is_available())
     # The process group is created by the first initialize and reused by every later one.
     rank = int(__import__("os").environ["RANK"])
     world = int(__import__("os").environ["WORLD_SIZE"])

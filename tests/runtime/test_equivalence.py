@@ -92,8 +92,8 @@ def test_matches_reference(results, world: int, case: Case) -> None:  # noqa: AN
         assert err <= (1e-5 if fp32 else _tol16(case.dtype)) * scale + 1e-6, f"param {name}: max error {err}"
 
 
-@pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("stage", [0, 1, 2])
+@pytest.mark.parametrize("world", [2, 4], ids=lambda w: f"w{w}")
+@pytest.mark.parametrize("stage", [0, 1, 2], ids=lambda s: f"z{s}")
 def test_fp16_overflow_on_one_rank_skips_everywhere(results, world: int, stage: int) -> None:  # noqa: ANN001
     case = next(c for c in matrix(world) if c.inject and c.stage == stage)
     r = results(world)[case.name]
@@ -112,7 +112,7 @@ def test_fp16_overflow_on_one_rank_skips_everywhere(results, world: int, stage: 
     assert r["ref_skipped"] == [s in skipped_steps for s in range(case.steps)]
 
 
-@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("world", WORLDS, ids=lambda w: f"w{w}")
 def test_replicas_agree(results, world: int) -> None:  # noqa: ANN001
     for name, r in results(world).items():
         if name.startswith("_"):
@@ -121,7 +121,7 @@ def test_replicas_agree(results, world: int) -> None:  # noqa: ANN001
         assert len(sums) == 1, f"{name}: ranks hold different parameters"
 
 
-@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("world", WORLDS, ids=lambda w: f"w{w}")
 def test_memory_matches_estimate(results, world: int) -> None:  # noqa: ANN001
     """Measured model-state bytes per rank == zerorun.estimate's Contract-4 formula for the same
     trainable count and config, plus exactly the padding (which the estimate leaves out)."""
@@ -157,7 +157,7 @@ def test_memory_matches_estimate(results, world: int) -> None:  # noqa: ANN001
                 )
 
 
-def test_bucket_plan_is_the_same_on_every_rank(results) -> None:  # noqa: ANN001
+def test_bucket_plan_is_the_same_on_every_rank_w4(results) -> None:  # noqa: ANN001
     for name, r in results(4).items():
         if not name.startswith("_"):
             assert len({(x["n_buckets"], x["padded_numel"]) for x in r["ranks"]}) == 1

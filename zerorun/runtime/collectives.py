@@ -21,6 +21,7 @@ has only the old names. Both are supported.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -77,6 +78,10 @@ class Communicator:
         self.rank = dist.get_rank(group)
         self.backend = str(dist.get_backend(group))
         self.is_cuda = device.type == "cuda"
+        # One rank: every collective is the identity and is skipped, unless
+        # ZERORUN_DEBUG_COLLECTIVES=1 asks to issue them anyway (exercises the stream path on
+        # one GPU; scripts/gpu_checks.sh uses it).
+        self.trivial = self.world_size == 1 and os.environ.get("ZERORUN_DEBUG_COLLECTIVES") != "1"
         # Several ranks sharing one GPU run gloo; gloo's CUDA support is partial, so stage.
         self.host_staged = self.is_cuda and self.backend == "gloo"
         self.stream: torch.cuda.Stream | None = torch.cuda.Stream(device) if self.is_cuda else None
@@ -87,7 +92,7 @@ class Communicator:
     ) -> Pending:
         """Sum ``input`` (a whole flat buffer) over ranks; this rank's shard lands in ``output``.
         ``then`` runs after the reduction, in stream order (e.g. accumulate ``output``)."""
-        if self.world_size == 1:
+        if self.trivial:
             return self._local(output, input, then)
         return self._issue(
             lambda o, i: _reduce_scatter_flat(o, i, group=self.group, async_op=True), output, input, then
@@ -95,7 +100,7 @@ class Communicator:
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> Pending:
         """Concatenate every rank's ``input`` shard into ``output`` (may be in place)."""
-        if self.world_size == 1:
+        if self.trivial:
             return self._local(output, input, None)
         return self._issue(
             lambda o, i: _all_gather_flat(o, i, group=self.group, async_op=True), output, input, None
@@ -104,7 +109,7 @@ class Communicator:
     def all_reduce(
         self, tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM, then: Callable[[], None] | None = None
     ) -> Pending:
-        if self.world_size == 1:
+        if self.trivial:
             return self._local(tensor, tensor, then)
         return self._issue(
             lambda o, _i: dist.all_reduce(o, op=op, group=self.group, async_op=True), tensor, tensor, then
@@ -112,7 +117,7 @@ class Communicator:
 
     def all_reduce_now(self, tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM) -> None:
         """Blocking all-reduce on the caller's stream, for small control values (norms, flags)."""
-        if self.world_size == 1:
+        if self.trivial:
             return
         if self.host_staged:
             host = tensor.cpu()

@@ -164,7 +164,7 @@ class _FullAccumulation(GradReducer):
 
 class AllReduceGrads(_FullAccumulation):
     def _launch(self, i: int) -> None:
-        if not self.boundary or self.world == 1:
+        if not self.boundary or self.comm.trivial:
             return
         self.acc[i].div_(self.world)
         self._track(self.comm.all_reduce(self.acc[i]))
@@ -175,7 +175,7 @@ class AllReduceGrads(_FullAccumulation):
 
 class BoundaryReduceScatter(_FullAccumulation):
     def _launch(self, i: int) -> None:
-        if not self.boundary or self.world == 1:
+        if not self.boundary or self.comm.trivial:
             return
         start, end = self.flat.layouts[i].shard_range(self.shard)
         self.acc[i].div_(self.world)
@@ -232,7 +232,7 @@ class PartitionedGrads(GradReducer):
             # First micro-step of the accumulation: reduce straight into the kept shard.
             self._track(self.comm.reduce_scatter(shard, staging))
         else:
-            out = torch.empty_like(shard) if self.world > 1 else staging[start:end]
+            out = staging[start:end] if self.comm.trivial else torch.empty_like(shard)
             self._track(self.comm.reduce_scatter(out, staging, then=lambda: shard.add_(out)))
 
     def grad_shards(self) -> list[torch.Tensor]:

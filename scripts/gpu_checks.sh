@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Runtime checks on a GPU machine (the lead runs this on the H200 box).
+#
+#   1. the stage 0/1/2 equivalence matrix with CUDA tensors, world 1 on NCCL, with
+#      ZERORUN_DEBUG_COLLECTIVES=1 so the one-rank collectives really run on the side stream;
+#   2. the same matrix with 2 and 4 ranks sharing the one GPU over gloo (--ranks_per_gpu mode);
+#   3. examples/gpt.py through the launcher: 1 rank on the GPU (NCCL), and 2 ranks sharing it.
+#
+# Results (logs, junit XML, a summary) go under $OUT (default ./gpu_checks_out). Needs torch with
+# CUDA, pytest, and zerorun's dependencies (pydantic, typer, rich, pyyaml; paramiko is not used
+# here). PYTHON selects the interpreter (default: python3).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-$PWD/gpu_checks_out}"
+PY="${PYTHON:-python3}"
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" OMP_NUM_THREADS=4 PYTHONUNBUFFERED=1
+export CUBLAS_WORKSPACE_CONFIG=:4096:8 ZERORUN_TEST_DEVICE=cuda ZERORUN_RANKS_PER_GPU=4 ZR_TEST_DEADLINE=420
+summary="$OUT/summary.txt"
+: >"$summary"
+nvidia-smi >"$OUT/nvidia-smi.txt" 2>&1 || true
+"$PY" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name(0))' \
+  | tee -a "$summary"
+
+run() {  # run NAME CMD...: log to $OUT/NAME.log, one line per step in the summary
+  local name=$1; shift
+  local t0=$SECONDS
+  timeout 900 "$@" >"$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "$name: exit $rc in $((SECONDS - t0)) s -- $(tail -n 1 "$OUT/$name.log")" | tee -a "$summary"
+  return 0
+}
+
+# 1. world 1 on NCCL, collectives forced through the CUDA stream path.
+run eq_world1_nccl env ZERORUN_BACKEND=nccl ZERORUN_DEBUG_COLLECTIVES=1 \
+  "$PY" -m pytest -q -p no:cacheprovider tests/runtime/test_equivalence.py -k "w1 and not golden" \
+  --junitxml="$OUT/eq_world1_nccl.xml"
+# 2. 2 and 4 ranks sharing the GPU over gloo (host-staged collectives, stream/event ordering).
+run eq_shared_gloo env ZERORUN_BACKEND=gloo \
+  "$PY" -m pytest -q -p no:cacheprovider tests/runtime/test_equivalence.py -k "(w2 or w4) and not golden" \
+  --junitxml="$OUT/eq_shared_gloo.xml"
+# 3. the README's example through the launcher.
+run gpt_1gpu_nccl "$PY" -m zerorun --num_gpus 1 examples/gpt.py --config templates/zero2.yaml --size 125M --seq_len 1024 --steps 30
+run gpt_2ranks_shared "$PY" -m zerorun --num_gpus 2 --ranks_per_gpu 2 examples/gpt.py --config templates/zero2.yaml --steps 20
+echo "results in $OUT" | tee -a "$summary"
