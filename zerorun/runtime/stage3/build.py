@@ -22,6 +22,7 @@ from zerorun.runtime.precision import dtype_name
 from zerorun.runtime.sharded_state import ShardedOptimizerState, ShardPlacement
 from zerorun.runtime.stage3.groups import plan_groups
 from zerorun.runtime.stage3.hooks import Stage3Hooks
+from zerorun.runtime.stage3.model_io import install_state_dict_hooks
 from zerorun.runtime.stage3.param_group import ParamGroup
 from zerorun.runtime.stage3.schedule import Schedule
 from zerorun.runtime.stage3.stage import Stage3
@@ -193,4 +194,8 @@ def build_stage3(
         reshard_after_forward=opts.reshard_after_forward,
         check_order=opts.check_order,
     )
-    return Stage3(groups, hooks, schedule, state, comm)
+    stage = Stage3(groups, hooks, schedule, state, comm)
+    for g in groups:
+        g.stage = stage  # model_io updates master shards when parameters are written
+    stage.io_handles = install_state_dict_hooks(module)
+    return stage

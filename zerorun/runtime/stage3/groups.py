@@ -147,7 +147,8 @@ def plan_groups(
         if t.param.numel() <= persistence_threshold:
             persistent.params.append(t)
             continue
-        gis = owners.get(id(t.param), {0})
+        # register_external_parameter: used outside its module's forward -> the root group
+        gis = {0} if getattr(t.param, "_zerorun_external", False) else owners.get(id(t.param), {0})
         plans[next(iter(gis)) if len(gis) == 1 else 0].params.append(t)
     out = [p for p in plans if p.params]
     if persistent.params:

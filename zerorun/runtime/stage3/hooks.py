@@ -145,6 +145,8 @@ class Stage3Hooks:
                 self.schedule.note_live()
                 return None
             upcoming = self.schedule.on_forward(g)
+            if g.live:
+                self.schedule.prefetch_hits += 1  # gathered ahead (prefetched or kept)
             g.wait()
             self.schedule.prefetch(g, upcoming)
             if not torch.is_grad_enabled():
@@ -192,6 +194,8 @@ class Stage3Hooks:
         self._open_backward()
         self.calls[g.index].touched = True
         upcoming = self.schedule.on_backward(g)
+        if g.live:
+            self.schedule.prefetch_hits += 1
         g.wait()
         self.schedule.prefetch(g, upcoming)
 

@@ -24,6 +24,7 @@ the whole buffer: nothing to gather).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -71,6 +72,7 @@ class ParamGroup:
         self.numel = sum(layout.padded_numel for layout in self.layouts)
         self.state = RELEASED
         self.holds = 0  # GatheredParameters contexts holding the group gathered
+        self.stage: Any = None  # the Stage3 owning the group (model_io reaches the masters through it)
         self.grad_fresh = True  # next reduction writes the gradient shard instead of adding
         self._pending: list[Pending] = []
         self._fetched: list[torch.Tensor] = []
