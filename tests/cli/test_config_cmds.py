@@ -176,7 +176,8 @@ def test_estimate_follows_a_config(tmp_path, capsys):
 
 
 def test_real_entry_point_without_torch():
-    # The console entry as users call it, and proof that print-config never imports torch.
+    # The console entry as users call it, and proof that loading configs, print-config,
+    # estimate and importing env never import torch (the launcher validates before ranks start).
     code = (
         "import sys\n"
         "from zerorun.cli import main\n"
@@ -184,6 +185,9 @@ def test_real_entry_point_without_torch():
         "except SystemExit as e:\n    assert not e.code, e.code\n"
         "try:\n    main(['estimate', '--params', '7.5e9', '--gpus-per-node', '8', '--nodes', '8'])\n"
         "except SystemExit as e:\n    assert not e.code, e.code\n"
+        "import zerorun.cli.env_cmd\n"
+        "from zerorun.config import load_config\n"
+        "load_config('tests/config/data/deepspeed_all_keys.json', world_size=2)\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
     )
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
