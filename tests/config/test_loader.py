@@ -166,6 +166,7 @@ def test_yaml_anchors_and_merge(tmp_path):
         ("dup.yaml", "fp16:\n  enabled: true\nfp16:\n  enabled: false\n", "line 3: duplicate key 'fp16' (first given at line 1)"),
         ("bad.json", '{\n  "a": 1\n  "b": 2\n}\n', "invalid JSON at line 3, column 3"),
         ("bad2.json", '{"a": 1,\n "b": tru}\n', "invalid JSON at line 2, column 7"),
+        ("after_comments.json", '{\n  // a "quoted" {comment}\n  "a": 1 /* c */ "b": 2\n}', "invalid JSON at line 3, column 18"),
         ("single.json", "{'a': 1}", "double quotes"),
         ("py.json", '{"a": True}', "lower case"),
         ("comment.json", '{"a": 1 /* never closed\n}', "unterminated /* comment"),
