@@ -23,9 +23,10 @@ def test_env_reports_versions_shm_and_nccl_variables(capsys, monkeypatch):
     assert doc["dev_shm"]["total_bytes"] > 0 and doc["host"]["cpus"] >= 1
     assert doc["environment"]["NCCL_DEBUG"] == "INFO" and "UNRELATED_SECRET" not in doc["environment"]
     assert "gloo" in doc["distributed_backends"]
+    assert "memlock_limit_bytes" in doc and "nvidia_driver" in doc
 
     with pytest.raises(SystemExit):
         env_cmd.app([], prog_name="zerorun env")
     out = capsys.readouterr().out
-    for needle in ("zerorun", "torch", "/dev/shm", "NCCL_DEBUG=INFO", "GPUs"):
+    for needle in ("zerorun", "torch", "/dev/shm", "NCCL_DEBUG=INFO", "GPUs", "ulimit -l"):
         assert needle in out

@@ -95,6 +95,28 @@ def _host() -> dict[str, Any]:
     return out
 
 
+def _memlock() -> int | None:
+    """`ulimit -l` in bytes (None: unlimited): pinned offload buffers count against it."""
+    try:
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    except (ImportError, OSError, ValueError):
+        return None
+    return None if soft == resource.RLIM_INFINITY else int(soft)
+
+
+def _nvidia_driver() -> str | None:
+    try:
+        with open("/proc/driver/nvidia/version", encoding="utf-8") as f:
+            first = f.readline()
+    except OSError:
+        return None
+    # "NVRM version: NVIDIA UNIX x86_64 Kernel Module  550.54.15  Tue Mar  5 ..."
+    parts = first.split()
+    return next((p for p in parts if p.count(".") >= 1 and p.replace(".", "").isdigit()), first.strip() or None)
+
+
 def collect_env() -> dict[str, Any]:
     """Everything the report shows, as plain data (also the `--json` output)."""
     from zerorun import __version__
@@ -107,8 +129,10 @@ def collect_env() -> dict[str, Any]:
         "hostname": platform.node(),
         **_torch_info(),
         "libraries": {name: _version(name) for name in _LIBRARIES},
+        "nvidia_driver": _nvidia_driver(),
         "host": _host(),
         "dev_shm": _shm(),
+        "memlock_limit_bytes": _memlock(),
         "environment": {k: v for k, v in sorted(os.environ.items()) if k.startswith(_VARIABLE_PREFIXES)},
     }
 
@@ -143,6 +167,7 @@ def env(as_json: Annotated[bool, typer.Option("--json", help="Machine-readable o
             ("CUDA available", str(info["cuda_available"]).lower()),
             ("cuDNN", str(info["cudnn"] or "-")),
             ("NCCL", str(info["nccl"] or "-")),
+            ("NVIDIA driver", str(info["nvidia_driver"] or "-")),
             ("distributed backends", ", ".join(info["distributed_backends"]) or "-"),
         ]
         gpus = info["gpus"]
@@ -157,6 +182,8 @@ def env(as_json: Annotated[bool, typer.Option("--json", help="Machine-readable o
     else:
         small = " -- small: NCCL may die with SIGBUS; in docker use --shm-size=8g or --ipc=host" if shm["total_bytes"] < 2**30 else ""
         rows.append(("/dev/shm", f"{_gib(shm['total_bytes'])} ({_gib(shm['free_bytes'])} free){small}"))
+    memlock = info["memlock_limit_bytes"]
+    rows.append(("ulimit -l", "unlimited" if memlock is None else f"{memlock / 2**20:.0f} MiB (pinned offload buffers count against it)"))
     rows.append(("libraries", ", ".join(f"{k} {v}" for k, v in info["libraries"].items() if v)))
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
