@@ -192,10 +192,21 @@ def test_missing_directory_and_binary_files(tmp_path):
     assert "is a directory" in error_of(tmp_path)
     (tmp_path / "bin.json").write_bytes(b'{"a": "\xff\xfe"}')
     assert "not UTF-8" in error_of(tmp_path / "bin.json")
-    if os.geteuid() != 0:  # root reads anything
-        p = write(tmp_path, "secret.json", "{}")
+    p = write(tmp_path, "secret.json", "{}")
+    if os.geteuid() != 0:
         p.chmod(0)
         assert "permission denied" in error_of(p)
+
+
+def test_unreadable_file_even_as_root(tmp_path, monkeypatch):
+    # root reads anything, so simulate what an unprivileged user gets
+    p = write(tmp_path, "secret.json", "{}")
+
+    def denied(self):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(Path, "read_bytes", denied)
+    assert f"{p}: permission denied" in error_of(p)
 
 
 # -- validation ----------------------------------------------------------------------------
