@@ -98,10 +98,13 @@ def time_to_first_lines(launcher: str, nproc: int, script: Path, timeout: float 
 def startup(repeats: int, sizes: list[int], tmp: Path) -> list[dict[str, object]]:
     rows = []
     for kind, source in (("bare", _BARE), ("torch", _TORCH)):
-        script = tmp / f"{kind}.py"
+        # Not "torch.py": the script's directory comes first on sys.path, so `import torch`
+        # would import the script itself.
+        script = tmp / f"prog_{kind}.py"
         script.write_text(source)
         for nproc in sizes:
             samples: dict[str, list[float]] = {"zerorun": [], "torchrun": []}
+            load_before = os.getloadavg()[0]
             for _ in range(repeats):
                 for launcher in ("zerorun", "torchrun"):  # interleaved: same machine load
                     samples[launcher].append(time_to_first_lines(launcher, nproc, script))
@@ -109,6 +112,9 @@ def startup(repeats: int, sizes: list[int], tmp: Path) -> list[dict[str, object]
                 "program": kind,
                 "ranks": nproc,
                 **{f"{k}_s": round(statistics.median(v), 3) for k, v in samples.items()},
+                **{f"{k}_min_s": round(min(v), 3) for k, v in samples.items()},
+                # 1-minute load average (2 cores: above 2 means the numbers include waiting)
+                "load_avg": [round(load_before, 1), round(os.getloadavg()[0], 1)],
                 **{f"{k}_samples": [round(x, 3) for x in v] for k, v in samples.items()},
             }
             rows.append(row)
@@ -176,6 +182,7 @@ def console_throughput(lines_per_rank: int, ranks: int, tmp: Path) -> dict[str, 
     base = baseline(pipe=False)
     piped = baseline(pipe=True)
 
+    load_before = os.getloadavg()[0]
     t0 = time.perf_counter()
     proc = subprocess.Popen(
         [sys.executable, "-m", "zerorun", "--num_gpus", str(ranks), str(script)],
@@ -222,6 +229,7 @@ def console_throughput(lines_per_rank: int, ranks: int, tmp: Path) -> dict[str, 
         # Sampled every 20 ms until the launcher exits: a lower bound, within one sample.
         "launcher_cpu_s": round(peak[1], 2) if peak else None,
         "launcher_cpu_us_per_line": round(peak[1] * 1e6 / max(count, 1), 2) if peak else None,
+        "load_avg": [round(load_before, 1), round(os.getloadavg()[0], 1)],
     }
     print(
         f"console: {count}/{expected} lines, {result['console_lines_per_s']} lines/s; rank write time "
