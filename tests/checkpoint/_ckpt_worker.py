@@ -111,9 +111,15 @@ def main() -> int:
         report["save_error"] = str(err)
     report.update(scale_final=engine.get_loss_scale(), skipped_final=engine.skipped_steps)
     # after training: further loads with DeepSpeed's flags, reporting what each restored
+    for extra in spec.get("extra_saves", []):
+        engine.save_checkpoint(extra["dir"], **extra["kwargs"])
     for i, extra in enumerate(spec.get("extra_loads", [])):
         exp_avg_before = _optim_sum(engine)
-        engine.load_checkpoint(spec["ckpt"], tag=extra["tag"], **extra["flags"])
+        try:
+            engine.load_checkpoint(extra.get("dir", spec["ckpt"]), tag=extra["tag"], **extra["flags"])
+        except CheckpointError as err:
+            report[f"extra{i}"] = {"error": str(err)}
+            continue
         report[f"extra{i}"] = {
             "steps": engine.global_steps,
             "lr": engine.get_lr(),

@@ -80,10 +80,13 @@ def test_resume_world1_stage0_matches_uninterrupted(reference, tmp_path):
     spec = {
         "stage": 0, "ckpt": str(reference["ckpt"]), "load": "", "steps_to": 6,
         # then, after step 6: DeepSpeed's partial loads
+        "extra_saves": [{"dir": str(tmp_path / "nofrozen"), "kwargs": {"exclude_frozen_parameters": True}}],
         "extra_loads": [
             {"tag": "global_step3", "flags": {"load_module_only": True}},
             {"tag": "global_step3", "flags": {"load_optimizer_states": False}},
             {"tag": "global_step3", "flags": {}},
+            {"dir": str(tmp_path / "nofrozen"), "tag": None, "flags": {}},
+            {"dir": str(tmp_path / "nofrozen"), "tag": None, "flags": {"load_module_strict": False}},
         ],
     }
     results, out = _run(tmp_path, 1, spec, name="w1")
@@ -102,6 +105,12 @@ def test_resume_world1_stage0_matches_uninterrupted(reference, tmp_path):
     assert no_optim["steps"] == 3 and not no_optim["exp_avg_changed"]
     assert no_optim["lr"] == pytest.approx(reference["out"]["lr_at3"])
     assert full["steps"] == 3 and full["exp_avg_changed"]
+    # saved without frozen parameters: a strict load says what is missing and how to proceed
+    assert "lacks: ['frozen.weight', 'frozen.bias']" in out["extra3"]["error"]
+    assert "load_module_strict=False" in out["extra3"]["error"]
+    assert out["extra4"]["steps"] == 6
+    with CheckpointReader(tmp_path / "nofrozen" / "global_step6") as rd:
+        assert "frozen.weight" not in rd.params and "l1.weight" in rd.params
 
 
 def test_rank_killed_mid_save_then_resume_at_world4(reference, tmp_path):

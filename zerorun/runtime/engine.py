@@ -231,9 +231,6 @@ class Engine:
     def memory_summary(self) -> dict[str, dict[str, int]]:
         """Bytes the runtime holds, by device and category (memory.py)."""
         ledger = MemoryLedger()
-        placement = getattr(self.stage.state, "placement", None)
-        if placement is not None:
-            placement.add_memory(ledger)  # offload: host buffers, bytes on NVMe
         parts: dict[str, list[torch.Tensor]] = self.stage.memory_tensors()
         ledger.add("params", parts.get("params", []))
         ledger.add("params", (p for p in self.module.parameters() if not p.requires_grad))
@@ -260,7 +257,6 @@ class Engine:
     ) -> bool:
         from zerorun.runtime.checkpoint import engine_view
 
-        self.stage.state.synchronize()  # a delayed offload step still running
         engine_view.save(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
         return True  # DeepSpeed's return value
 
@@ -275,7 +271,6 @@ class Engine:
     ) -> tuple[str | None, dict[str, Any] | None]:
         from zerorun.runtime.checkpoint import engine_view
 
-        self.stage.state.synchronize()
         return engine_view.load(
             self,
             load_dir,
@@ -291,7 +286,6 @@ class Engine:
     ) -> bool:
         from zerorun.runtime.checkpoint import engine_view
 
-        self.stage.state.synchronize()
         return engine_view.save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
 
     def destroy(self) -> None:
@@ -299,9 +293,6 @@ class Engine:
         reducer = getattr(self.stage, "reducer", None)
         if reducer is not None:
             reducer.remove_hooks()
-        placement = getattr(self.stage.state, "placement", None)
-        if placement is not None:
-            placement.close()
         events = _events()
         if events is not None and hasattr(events, "set_memory_provider"):
             events.set_memory_provider(None)

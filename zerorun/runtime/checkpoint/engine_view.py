@@ -61,8 +61,9 @@ def _persistent_buffers(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
 class EngineCheckpointView:
     """`CheckpointView` (sharded.py) over an `Engine`."""
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: Any, *, exclude_frozen: bool = False) -> None:
         self.engine = engine
+        self.exclude_frozen = exclude_frozen  # DeepSpeed's exclude_frozen_parameters
         self.rank: int = engine.comm.rank
         self.world_size: int = engine.comm.world_size
         self.process_group = engine.comm.group
@@ -99,6 +100,7 @@ class EngineCheckpointView:
                 n in trained,
             )
             for n, p in params
+            if not (self.exclude_frozen and n not in trained)
         ]
         buffers = [ParamInfo(n, tuple(b.shape), dtype_name(b.dtype), False) for n, b in _persistent_buffers(e.module)]
         precision = "fp16" if e.settings.fp16 else ("bf16" if policy.param_dtype == torch.bfloat16 else "fp32")
@@ -168,7 +170,7 @@ class EngineCheckpointView:
         # every rank holds them whole.
         trained = self._trained_names()
         for name, p in self._named_params()[0]:
-            if name not in trained:
+            if name not in trained and not self.exclude_frozen:
                 frags.append(Fragment(name, WEIGHT, 0, p.numel(), p.data, replicated=True))
         for name, b in _persistent_buffers(self.engine.module):
             frags.append(Fragment(name, BUFFER, 0, b.numel(), b, replicated=True))
@@ -237,15 +239,25 @@ class EngineCheckpointView:
                     p.wait()
 
 
-def save(engine: Any, save_dir: str | os.PathLike[str], tag: Any, client_state: dict[str, Any] | None, save_latest: bool) -> Path:
-    return _save(EngineCheckpointView(engine), save_dir, tag, client_state, save_latest)
+def save(
+    engine: Any,
+    save_dir: str | os.PathLike[str],
+    tag: Any,
+    client_state: dict[str, Any] | None,
+    save_latest: bool,
+    exclude_frozen_parameters: bool = False,
+) -> Path:
+    view = EngineCheckpointView(engine, exclude_frozen=exclude_frozen_parameters)
+    return _save(view, save_dir, tag, client_state, save_latest)
 
 
 def load(engine: Any, load_dir: str | os.PathLike[str], tag: Any, **flags: bool) -> tuple[str | None, dict[str, Any] | None]:
     return _load(EngineCheckpointView(engine), load_dir, tag, **flags)
 
 
-def save_16bit_model(engine: Any, save_dir: str | os.PathLike[str], save_filename: str) -> bool:
+def save_16bit_model(
+    engine: Any, save_dir: str | os.PathLike[str], save_filename: str, exclude_frozen_parameters: bool = False
+) -> bool:
     """DeepSpeed's semantics: at stage 3 only with stage3_gather_16bit_weights_on_model_save."""
     settings = engine.settings
     if settings.stage == 3 and not getattr(settings.zero, "stage3_gather_16bit_weights_on_model_save", False):
@@ -255,5 +267,6 @@ def save_16bit_model(engine: Any, save_dir: str | os.PathLike[str], save_filenam
             "`zerorun consolidate` on a checkpoint)"
         )
         return False
-    save_full_model(EngineCheckpointView(engine), save_dir, save_filename, dtype=settings.policy.param_dtype)
+    view = EngineCheckpointView(engine, exclude_frozen=exclude_frozen_parameters)
+    save_full_model(view, save_dir, save_filename, dtype=settings.policy.param_dtype)
     return True

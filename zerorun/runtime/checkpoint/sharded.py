@@ -228,10 +228,15 @@ def load_checkpoint(
     load_optimizer_states: bool = True,
     load_lr_scheduler_states: bool = True,
     load_module_only: bool = False,
+    strict: bool = True,
 ) -> tuple[str | None, dict[str, Any] | None]:
     """Collective. Loads at any world size / stage. Returns ``(path, client_state)``, or
     ``(None, None)`` when `load_dir` has no `latest` and no tag was given (DeepSpeed's answer,
-    which scripts use to decide between resuming and starting fresh)."""
+    which scripts use to decide between resuming and starting fresh).
+
+    ``strict=False`` (DeepSpeed's ``load_module_strict``): parameters and buffers the
+    checkpoint lacks keep their current values (and, when optimizer states are loaded, start
+    with zero optimizer state) instead of being an error."""
     comm = _Comm(view)
     root = Path(load_dir)
     tag = resolve_tag(root, tag)
@@ -244,9 +249,11 @@ def load_checkpoint(
     with CheckpointReader(path) as reader:
         meta = reader.meta
         current = view.checkpoint_meta()
-        _check_compatible(meta, current, path, with_optim)
+        _check_compatible(meta, current, path, with_optim, strict=strict)
         wanted = {k for k in reader.kinds() if with_optim or not k.startswith(OPTIM_PREFIX)}
         for f in view.checkpoint_fragments(for_load=True, kinds=wanted):
+            if not strict and not reader.has(f.name, WEIGHT if f.kind != BUFFER else BUFFER):
+                continue  # reported by _check_compatible
             if f.kind in (WEIGHT, BUFFER):
                 reader.read_into(f.name, f.kind, f.start, f.end, f.tensor)
             elif f.kind.startswith(OPTIM_PREFIX) and with_optim:
@@ -280,27 +287,37 @@ def _restore_rank_rng(path: Path, saved_world: int, rank: int, world_size: int) 
         )
 
 
-def _check_compatible(saved: CheckpointMeta, current: CheckpointMeta, path: Path, with_optim: bool) -> None:
+def _check_compatible(
+    saved: CheckpointMeta, current: CheckpointMeta, path: Path, with_optim: bool, *, strict: bool = True
+) -> None:
     saved_p = {p.name: p for p in saved.params}
     cur_p = {p.name: p for p in current.params}
     missing = [n for n in cur_p if n not in saved_p]
-    if missing:
+    saved_b = {b.name for b in saved.buffers}
+    missing_b = [b.name for b in current.buffers if b.name not in saved_b]
+    if missing and strict:
         unexpected = [n for n in saved_p if n not in cur_p]
         raise CheckpointError(
             f"{path}: the model has parameters the checkpoint lacks: {missing[:5]}"
             + (f"; the checkpoint has instead: {unexpected[:5]}" if unexpected else "")
-            + " (a different model, or renamed modules?)"
+            + " (a different model, renamed modules, or saved with exclude_frozen_parameters? "
+            "load_module_strict=False loads what is there)"
         )
+    if missing_b and strict:
+        raise CheckpointError(
+            f"{path}: the model has buffers the checkpoint lacks: {missing_b[:5]} (load_module_strict=False "
+            "keeps their current values)"
+        )
+    if missing or missing_b:
+        log.warning("zerorun: %s lacks %s; they keep their current values", path, (missing + missing_b)[:5])
     for name, p in cur_p.items():
+        if name not in saved_p:
+            continue
         if saved_p[name].shape != p.shape:
             raise CheckpointError(
                 f"{path}: parameter {name!r} has shape {list(saved_p[name].shape)} in the checkpoint, "
                 f"{list(p.shape)} in the model"
             )
-    saved_b = {b.name for b in saved.buffers}
-    missing_b = [b.name for b in current.buffers if b.name not in saved_b]
-    if missing_b:
-        raise CheckpointError(f"{path}: the model has buffers the checkpoint lacks: {missing_b[:5]}")
     if with_optim:
         a, b = saved.optimizer.get("class"), current.optimizer.get("class")
         if a and b and a != b:

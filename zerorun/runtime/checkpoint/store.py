@@ -78,6 +78,11 @@ class CheckpointReader:
         try:
             text = meta_path.read_text()
         except FileNotFoundError:
+            if any(self.dir.glob("*model_states.pt")):
+                raise CheckpointError(
+                    f"{self.dir} is a DeepSpeed checkpoint, not a zerorun one: convert it with DeepSpeed's "
+                    "zero_to_fp32.py, then load the weights into the model before zerorun.initialize"
+                ) from None
             raise CheckpointError(
                 f"{self.dir} is not a complete zerorun checkpoint ({META_FILE} is missing)"
             ) from None
