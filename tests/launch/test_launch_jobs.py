@@ -159,7 +159,7 @@ def test_launcher_signal_leaves_no_process(sig: int) -> None:
 def test_hang_timeout_dumps_stacks_and_names_the_rank_behind(tmp_path: Path) -> None:
     logs = tmp_path / "logs"
     code, _out, err, tag = run(
-        ["--num_gpus", "2", "--hang_timeout", "2", "--grace_period", "1", "--log_dir", str(logs), str(RANK_JOB)],
+        ["--num_gpus", "2", "--hang_timeout", "3", "--grace_period", "1", "--log_dir", str(logs), str(RANK_JOB)],
         # periodic memory events keep coming: they must not hide the hang
         env={"ZR_MODE": "hang", "ZERORUN_MEMORY_REPORT_INTERVAL": "0.3"},
         timeout=60,
