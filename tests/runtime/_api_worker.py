@@ -280,6 +280,33 @@ def check_stage_out_of_range() -> None:
     raise AssertionError("stage 7 accepted")
 
 
+def check_backward_twice_without_step() -> None:
+    engine, *_ = zerorun.initialize(model=model(), config=cfg(optimizer={"type": "SGD", "params": {"lr": 0.1}}))
+    x, y = data(0)
+    engine.backward(nn.functional.mse_loss(engine(x), y))
+    expect_error(lambda: engine.backward(nn.functional.mse_loss(engine(x), y)), "engine.step()")
+    engine.step()
+    engine.backward(nn.functional.mse_loss(engine(x), y))  # fine again after step
+    engine.step()
+    engine.destroy()
+
+
+def check_plain_loss_backward_then_step() -> None:
+    """A script that calls loss.backward() itself (no accumulation) trains the same."""
+    a, b = model(), model()
+    c = cfg(optimizer={"type": "AdamW", "params": {"lr": 0.01}})
+    e1, *_ = zerorun.initialize(model=a, config=c)
+    train(e1, 3)
+    e1.destroy()
+    e2, *_ = zerorun.initialize(model=b, config=c)
+    for s in range(3):
+        x, y = data(s)
+        nn.functional.mse_loss(e2(x), y).backward()
+        e2.step()
+    e2.destroy()
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
+
+
 CHECKS = [v for k, v in sorted(globals().items()) if k.startswith("check_")]
 
 

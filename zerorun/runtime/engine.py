@@ -23,6 +23,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from zerorun.errors import RuntimeConfigError
 from zerorun.runtime.collectives import Communicator
 from zerorun.runtime.memory import MemoryLedger
 from zerorun.runtime.precision import LossScaler
@@ -81,7 +82,7 @@ class Engine:
         self.skipped_steps = 0
         self._grad_norm: torch.Tensor | None = None
         self._last_loss: torch.Tensor | None = None
-        self._in_backward_window = False
+        self._backward_since_step = False
         self._compute_dtype = settings.policy.param_dtype
         events = _events()
         if events is not None and hasattr(events, "set_memory_provider"):
@@ -103,16 +104,21 @@ class Engine:
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
         """Scale by loss scale / accumulation steps, backpropagate, reduce gradients (buckets are
         issued while the backward still runs)."""
+        if self._backward_since_step:
+            raise RuntimeConfigError(
+                "engine.backward() was called twice without engine.step() in between: call "
+                "engine.step() after every engine.backward() (it updates only at the accumulation "
+                "boundary), or add the losses and call backward once"
+            )
+        self._backward_since_step = True
         self.stage.begin_backward(
             boundary=self.is_gradient_accumulation_boundary(),
             first_micro=self.micro_steps % self.gradient_accumulation_steps == 0,
         )
-        self._in_backward_window = True
         factor = self.loss_scaler.scale / self.gradient_accumulation_steps
         scaled = loss * factor if factor != 1.0 else loss
         scaled.backward(retain_graph=retain_graph)
         self.stage.end_backward()
-        self._in_backward_window = False
         self._last_loss = loss.detach()
         return loss
 
@@ -121,9 +127,10 @@ class Engine:
         return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
 
     def step(self) -> None:
-        if self._in_backward_window:  # loss.backward() was called directly: finish the reduction
-            self.stage.end_backward()
-            self._in_backward_window = False
+        # Idempotent; needed when the script called loss.backward() itself (the hooks still
+        # reduced; no 1/accumulation scaling then, as in DeepSpeed).
+        self.stage.end_backward()
+        self._backward_since_step = False
         if self.is_gradient_accumulation_boundary():
             self._take_model_step()
         self.micro_steps += 1

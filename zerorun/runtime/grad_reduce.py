@@ -196,6 +196,10 @@ class PartitionedGrads(GradReducer):
             torch.zeros(layout.shard_numel, dtype=reduce_dtype, device=flat.device) for layout in flat.layouts
         ]
         self._staging: dict[int, torch.Tensor] = {}
+        # A shard not yet written since zero_grad takes the reduce-scatter output directly
+        # (no add). Tracked per buffer rather than from the micro-step counter, so several
+        # backward passes before one step still accumulate.
+        self._fresh = [True] * len(flat.layouts)
 
     def _staging_for(self, i: int) -> torch.Tensor:
         buf = self._staging.get(i)
@@ -228,8 +232,9 @@ class PartitionedGrads(GradReducer):
             staging.div_(self.world)
         shard = self.shards[i]
         start, end = self.flat.layouts[i].shard_range(self.shard)
-        if self.first_micro:
-            # First micro-step of the accumulation: reduce straight into the kept shard.
+        if self._fresh[i]:
+            # First gradient since zero_grad: reduce straight into the kept shard.
+            self._fresh[i] = False
             self._track(self.comm.reduce_scatter(shard, staging))
         else:
             out = staging[start:end] if self.comm.trivial else torch.empty_like(shard)
@@ -240,7 +245,8 @@ class PartitionedGrads(GradReducer):
 
     def zero_grad(self) -> None:
         for s in self.shards:
-            s.zero_()
+            s.zero_()  # cheap (a shard) and keeps a step without backward at zero gradients
+        self._fresh = [True] * len(self.flat.layouts)
 
     def buffers(self) -> list[torch.Tensor]:
         return list(self.shards)
