@@ -97,7 +97,7 @@ def _rows(model: BaseModel, prefix: str, show_all: bool, parent_acted: bool = Tr
     for name, info in type(model).model_fields.items():
         value = getattr(model, name)
         extra = info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
-        acted = parent_acted and extra.get("acted_on", True)
+        acted = parent_acted and extra.get("acted_on", True) is not False
         is_set = name in model.model_fields_set
         key = f"{prefix}{name}"
         if isinstance(value, BaseModel):

@@ -111,7 +111,7 @@ class _Parser:
     def string(self) -> str:
         start = self.pos
         try:
-            value, end = json.decoder.scanstring(self.text, self.pos + 1)
+            value, end = json.decoder.scanstring(self.text, self.pos + 1)  # type: ignore[attr-defined]
         except json.JSONDecodeError as err:
             raise self.fail(f"invalid string: {err.msg}", err.pos if err.pos >= start else start) from None
         self.pos = end

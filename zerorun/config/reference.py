@@ -86,7 +86,7 @@ def _section(
     subsections: list[tuple[type[BaseModel], str, bool, str, str, str]] = []
     for name, info in model.model_fields.items():
         extra = info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
-        key_acted = acted and extra.get("acted_on", True)
+        key_acted = acted and extra.get("acted_on", True) is not False
         sub = _model_of(info.annotation)
         key = f"{prefix}{name}"
         if sub is not None:
