@@ -56,6 +56,14 @@ def config(stage: int, world: int, precision: str) -> dict:
         "zero_optimization": {"stage": stage, "reduce_bucket_size": 700, "allgather_bucket_size": 700},
         "steps_per_print": 1000,
     }
+    if stage == 3:
+        # partition every parameter (DeepSpeed's default threshold would keep this tiny model
+        # replicated) and prefetch
+        cfg["zero_optimization"].update(
+            stage3_param_persistence_threshold=0,
+            stage3_prefetch_bucket_size=500,
+            stage3_gather_16bit_weights_on_model_save=True,
+        )
     if precision == "bf16":
         cfg["bf16"] = {"enabled": True}
     if precision == "fp16":
@@ -63,6 +71,10 @@ def config(stage: int, world: int, precision: str) -> dict:
         # (scale, hysteresis, iteration of the last overflow) decides the next steps
         cfg["fp16"] = {"enabled": True, "initial_scale_power": 16, "loss_scale_window": 2, "hysteresis": 2}
     return cfg
+
+
+def _state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 def _optim_sum(engine) -> float:
@@ -97,6 +109,8 @@ def main() -> int:
             dist.all_reduce(g)
             report["losses"][str(step + 1)] = g.item() / world
             report.setdefault("scales", {})[str(step + 1)] = (engine.get_loss_scale(), engine.skipped_steps)
+            if str(engine.global_steps) in spec.get("state_dict_at", {}) and rank == 0:
+                torch.save(_state_dict(model), spec["state_dict_at"][str(engine.global_steps)])
             if engine.global_steps in spec.get("save_at", []):
                 engine.save_checkpoint(spec["ckpt"], client_state={"step": engine.global_steps, "note": "resume me"})
                 report[f"rng_after_save{engine.global_steps}"] = torch.rand(3).tolist()
@@ -104,7 +118,7 @@ def main() -> int:
                 report[f"lr_at{engine.global_steps}"] = engine.get_lr()
                 report[f"skipped_at{engine.global_steps}"] = engine.skipped_steps
                 if rank == 0 and spec.get("reference"):
-                    torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, spec["reference"])
+                    torch.save(_state_dict(model), spec["reference"])
                 if spec.get("save16"):
                     report["save16"] = engine.save_16bit_model(spec["save16"], "model.safetensors")
     except CheckpointError as err:

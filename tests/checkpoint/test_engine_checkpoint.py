@@ -52,11 +52,13 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
     spec = {
         "stage": 2, "ckpt": str(tmp / "ckpt"), "steps_to": 6, "save_at": [3],
         "reference": str(tmp / "state_dict.pt"), "save16": str(tmp / "m16"),
+        "state_dict_at": {"5": str(tmp / "state_dict5.pt")},
     }
     results, out = _run(tmp, 2, spec, name="ref")
     _ok(results)
     assert out["save16"] is True
-    return {"tmp": tmp, "ckpt": tmp / "ckpt", "losses": out["losses"], "state_dict": tmp / "state_dict.pt", "out": out}
+    return {"tmp": tmp, "ckpt": tmp / "ckpt", "losses": out["losses"], "state_dict": tmp / "state_dict.pt", "out": out,
+            "state_dict5": tmp / "state_dict5.pt"}
 
 
 def test_layout_is_deepspeeds(reference):
@@ -113,7 +115,7 @@ def test_resume_world1_stage0_matches_uninterrupted(reference, tmp_path):
         assert "frozen.weight" not in rd.params and "l1.weight" in rd.params
 
 
-def test_rank_killed_mid_save_then_resume_at_world4(reference, tmp_path):
+def test_rank_killed_mid_save_then_resume_at_world4_stage3(reference, tmp_path):
     ckpt = tmp_path / "ckpt"
     shutil.copytree(reference["ckpt"], ckpt)
     # rank 1 SIGKILLs itself with half of its shard written, while saving global_step4
@@ -129,7 +131,7 @@ def test_rank_killed_mid_save_then_resume_at_world4(reference, tmp_path):
     assert (ckpt / ".tmp-global_step4").is_dir()  # left for the next save to clean
     # what `latest` names still loads, at another world size and stage, and training continues
     # exactly as the uninterrupted run
-    spec = {"stage": 1, "ckpt": str(ckpt), "load": "", "steps_to": 6, "save_at": [5]}
+    spec = {"stage": 3, "ckpt": str(ckpt), "load": "", "steps_to": 6, "save_at": [5], "save16": str(tmp_path / "m16")}
     results, out = _run(tmp_path, 4, spec, name="w4")
     _ok(results)
     assert out["loaded"] == str(ckpt / "global_step3")
@@ -140,7 +142,17 @@ def test_rank_killed_mid_save_then_resume_at_world4(reference, tmp_path):
     assert "removed" in results[0].output and not (ckpt / ".tmp-global_step4").exists()
     assert (ckpt / "latest").read_text() == "global_step5"
     with CheckpointReader(ckpt / "global_step5") as rd:
-        assert (rd.meta.world_size, rd.meta.stage) == (4, 1)
+        assert (rd.meta.world_size, rd.meta.stage) == (4, 3)
+    # a stage-3 checkpoint consolidates to the uninterrupted run's weights at that step (fp32;
+    # world 4 sums gradients in another order than world 2: last-bit differences)
+    ref5 = torch.load(reference["state_dict5"], weights_only=True)
+    consolidate(ckpt, tmp_path / "hf", dtype="fp32")
+    sd = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    sd16 = load_file(str(tmp_path / "m16" / "model.safetensors"))  # stage 3 gathered on save
+    assert out["save16"] is True and set(sd) == set(sd16) == set(ref5) - {"head.weight"}
+    for k in sd:
+        torch.testing.assert_close(sd[k], ref5[k], rtol=RTOL, atol=ATOL)
+        assert torch.equal(sd16[k], sd[k]), k
 
 
 def test_crash_before_latest_keeps_latest_on_previous(reference, tmp_path):

@@ -87,15 +87,19 @@ class EngineCheckpointView:
     def _trained_names(self) -> set[str]:
         return {slot.name for layout in self.state.layouts for slot in layout.slots}
 
+    def _trained_shapes(self) -> dict[str, tuple[int, ...]]:
+        # from the layouts: at stage 3 a released parameter's own shape is an empty placeholder
+        return {slot.name: tuple(slot.shape) for layout in self.state.layouts for slot in layout.slots}
+
     def checkpoint_meta(self) -> CheckpointMeta:
         e = self.engine
         params, tied = self._named_params()
-        trained = self._trained_names()
+        trained = self._trained_shapes()
         policy = e.settings.policy
         infos = [
             ParamInfo(
                 n,
-                tuple(p.shape),
+                trained.get(n, tuple(p.shape)),
                 dtype_name(policy.param_dtype if n in trained else p.dtype),
                 n in trained,
             )
