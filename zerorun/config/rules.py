@@ -7,14 +7,21 @@ Notices are DeepSpeed features zerorun accepts but does not implement.
 
 from __future__ import annotations
 
+import difflib
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from pydantic import BaseModel
 
 from zerorun.config.jsonc import Path_
 from zerorun.config.reader import RawConfig, dotted
+from zerorun.config.runtime_support import (
+    DEEPSPEED_ADAM_EXTRAS,
+    OPTIMIZER_KWARGS,
+    SCHEDULER_KWARGS,
+    SCHEDULER_REQUIRED,
+)
 from zerorun.config.schema import ZerorunConfig
 from zerorun.config.types import AUTO
 
@@ -183,6 +190,54 @@ def _precision_rules(raw: RawConfig, config: ZerorunConfig) -> tuple[list[str], 
     return errors, warnings
 
 
+def _suggest(word: str, choices: Iterable[str]) -> str:
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return f" Did you mean {close[0]!r}?" if close else ""
+
+
+def _optimizer_rules(raw: RawConfig, config: ZerorunConfig) -> tuple[list[str], list[str]]:
+    """The runtime builds the optimizer and scheduler from these tables; anything else would
+    fail in zerorun.initialize on every rank, after the launch."""
+    errors: list[str] = []
+    opt = config.optimizer
+    if opt is not None:
+        name = opt.canonical_type
+        if name not in OPTIMIZER_KWARGS:
+            errors.append(
+                f"{raw.where(('optimizer', 'type'))} = {opt.type!r}: zerorun does not build this optimizer; it builds "
+                f"{', '.join(OPTIMIZER_KWARGS)} (elementwise optimizers, which ZeRO's slicing leaves exact). "
+                "Use one of those, or build your own torch optimizer and pass it to zerorun.initialize"
+            )
+        else:
+            allowed = OPTIMIZER_KWARGS[name] | (DEEPSPEED_ADAM_EXTRAS if name in ("Adam", "AdamW") else frozenset())
+            for key in opt.params:
+                if key not in allowed:
+                    errors.append(
+                        f"{raw.where(('optimizer', 'params', key))}: not a parameter of {name}.{_suggest(key, allowed)} "
+                        f"{name} takes: {', '.join(sorted(allowed))}"
+                    )
+    sched = config.scheduler
+    if sched is not None:
+        if sched.type not in SCHEDULER_KWARGS:
+            errors.append(
+                f"{raw.where(('scheduler', 'type'))} = {sched.type!r}: zerorun does not build this scheduler; it builds "
+                f"{', '.join(SCHEDULER_KWARGS)}. Use one of those, or pass lr_scheduler=callable(optimizer) to "
+                "zerorun.initialize"
+            )
+        else:
+            allowed = SCHEDULER_KWARGS[sched.type]
+            for key in sched.params:
+                if key not in allowed:
+                    errors.append(
+                        f"{raw.where(('scheduler', 'params', key))}: not a parameter of {sched.type}."
+                        f"{_suggest(key, allowed)} {sched.type} takes: {', '.join(sorted(allowed))}"
+                    )
+            missing = sorted(SCHEDULER_REQUIRED.get(sched.type, frozenset()) - set(sched.params))
+            if missing:
+                errors.append(f"{raw.where(('scheduler', 'params'))}: {sched.type} needs {', '.join(missing)}")
+    return errors, []
+
+
 def _launcher_rules(raw: RawConfig, config: ZerorunConfig) -> tuple[list[str], list[str]]:
     errors: list[str] = []
     warnings: list[str] = []
@@ -206,7 +261,7 @@ def check_rules(raw: RawConfig, config: ZerorunConfig) -> tuple[list[str], list[
     """-> (errors, warnings, notices) of the rules between keys."""
     errors: list[str] = []
     warnings: list[str] = []
-    for rule in (_precision_rules, _nvme_rules, _launcher_rules):
+    for rule in (_precision_rules, _nvme_rules, _optimizer_rules, _launcher_rules):
         e, w = rule(raw, config)
         errors += e
         warnings += w

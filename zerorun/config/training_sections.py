@@ -91,7 +91,11 @@ class Amp(Section):
 class OptimizerSection(Section):
     """`optimizer`: the optimizer zerorun builds (when the script does not pass its own)."""
 
-    type: str = field(..., "Optimizer name, case-insensitive: Adam, AdamW, SGD, Adagrad, Lamb, ...")
+    type: str = field(
+        ...,
+        "Optimizer name, case-insensitive. zerorun builds Adam, AdamW, SGD, Adagrad, RMSprop, Adamax, NAdam, RAdam, "
+        "Adadelta (DeepSpeed's Adam means AdamW unless `adam_w_mode: false`); other DeepSpeed names are rejected.",
+    )
     params: dict[str, Any] = field(
         default_factory=dict, description="Keyword arguments of the optimizer's constructor (lr, betas, eps, weight_decay, ...)."
     )
@@ -122,7 +126,9 @@ class OptimizerSection(Section):
 class SchedulerSection(Section):
     """`scheduler`: the learning-rate schedule zerorun steps with the optimizer."""
 
-    type: str = field(..., "Scheduler name: WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest, or a torch one.")
+    type: str = field(
+        ..., "Scheduler name. zerorun builds WarmupLR, WarmupDecayLR and WarmupCosineLR (DeepSpeed's meanings)."
+    )
     params: dict[str, Any] = field(default_factory=dict, description="Keyword arguments of the scheduler.")
 
     @field_validator("type")
