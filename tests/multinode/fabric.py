@@ -92,6 +92,15 @@ def _alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
 
 
+def _die_with_parent() -> None:
+    """In the forked child: SIGKILL when the test process dies, so a killed pytest takes its
+    sshds (and, through unshare --kill-child, everything in their PID namespaces) along. The
+    namespaces and links themselves are removed by the next run's cleanup_stale()."""
+    import ctypes
+
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
 def _comm(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/comm").read_text().strip()
@@ -262,6 +271,7 @@ def _build(fabric: Fabric, num_nodes: int) -> None:
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
+            preexec_fn=_die_with_parent,
         )
         _save(fabric)
         ssh_config += [

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import (
+from mn_helpers import (
     NAMED_SECRET,
     SCRIPT,
     UNNAMED_SECRET,
@@ -84,8 +84,32 @@ def test_training_job_across_two_nodes(cluster, tmp_path: Path) -> None:  # type
     for secret in (NAMED_SECRET, UNNAMED_SECRET):
         assert secret not in out and secret not in logs
     assert len(list(tmp_path.glob("started.rank*"))) == 4
+    # Events crossed the SSH channels: every rank's memory snapshots reached the launcher.
+    import json
+
+    summary = json.loads((tmp_path / "logs" / "summary.json").read_text())
+    assert [(r["rank"], r["host"], r["state"]) for r in summary["ranks"]] == [
+        (0, "node1", "exited"), (1, "node1", "exited"), (2, "node2", "exited"), (3, "node2", "exited")
+    ]
+    assert all(r["rss_peak"] and r["rss_peak"] > 50 << 20 for r in summary["ranks"]), summary
+    events = [json.loads(line) for line in (tmp_path / "logs" / "events.jsonl").read_text().splitlines()]
+    assert {e["rank"] for e in events if e["kind"] == "memory"} == {0, 1, 2, 3}
     left = wait_clean(cluster.nodes, 5)
     assert not left, describe(left)
+
+
+def test_launcher_machine_as_master(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """`localhost` first in the hostfile: rank 0 runs here (no SSH), and the remote rank gets
+    this machine's address as the node sees it, not 127.0.0.1."""
+    node1 = cluster.nodes[0]
+    hf = tmp_path / "hosts"
+    hf.write_text(f"localhost slots=1 GLOO_SOCKET_IFNAME={cluster.bridge}\nnode1 slots=1 GLOO_SOCKET_IFNAME={node1.ifname}\n")
+    code, out = run_launcher(
+        ["--hostfile", str(hf), *COMMON, "--env", "MN_MODE=train", str(SCRIPT)], env=launcher_env(cluster), cwd=tmp_path
+    )
+    assert code == 0, out
+    assert re.search(rf"master {re.escape(cluster.subnet)}\.1:\d+", out), out
+    assert "[localhost:0] SAME_WEIGHTS True" in out and "[node1:1] SAME_WEIGHTS True" in out, out
 
 
 def test_selection_in_dry_run(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
