@@ -9,7 +9,7 @@ import pytest
 
 from zerorun.config import load_config
 from zerorun.config.runtime_support import DEEPSPEED_ADAM_EXTRAS, OPTIMIZER_KWARGS, SCHEDULER_KWARGS
-from zerorun.errors import ConfigError
+from zerorun.errors import ConfigError, RuntimeConfigError
 
 
 def test_tables_match_the_runtime_and_torch():
@@ -34,6 +34,9 @@ def _error(config: dict) -> str:
 
 def test_optimizer_and_scheduler_the_runtime_cannot_build_are_errors():
     assert "zerorun does not build this optimizer" in _error({"optimizer": {"type": "Lamb"}})
+    # the launcher sees a ConfigError; zerorun.initialize's callers a RuntimeConfigError
+    with pytest.raises(RuntimeConfigError, match="Lamb"):
+        load_config({"optimizer": {"type": "Lamb", "params": {"lr": 1e-3}}})
     msg = _error({"optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decy": 0.1}}})
     assert "optimizer.params.weight_decy: not a parameter of AdamW. Did you mean 'weight_decay'?" in msg
     msg = _error({"scheduler": {"type": "OneCycle", "params": {}}})

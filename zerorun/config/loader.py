@@ -13,11 +13,17 @@ from zerorun.config.aliases import rewrite_aliases
 from zerorun.config.batch import BatchResolution, resolve_batch
 from zerorun.config.messages import format_validation_error
 from zerorun.config.reader import RawConfig, read_source
-from zerorun.config.rules import check_rules, open_autos
+from zerorun.config.rules import check_rules, check_runtime_support, open_autos
 from zerorun.config.schema import ZerorunConfig
-from zerorun.errors import ConfigError
+from zerorun.errors import ConfigError, RuntimeConfigError
 
-__all__ = ["LoadedConfig", "load_config"]
+__all__ = ["LoadedConfig", "load_config", "UnsupportedByRuntime"]
+
+
+class UnsupportedByRuntime(ConfigError, RuntimeConfigError):
+    """Valid DeepSpeed naming something zerorun's runtime does not build (an optimizer, a
+    scheduler, a keyword): a config error to the launcher and print-config, and the
+    RuntimeConfigError zerorun.initialize is documented to raise."""
 
 
 @dataclass
@@ -50,12 +56,12 @@ class LoadedConfig:
         )
 
 
-def _fail(raw: RawConfig, problems: list[str]) -> ConfigError:
+def _fail(raw: RawConfig, problems: list[str], cls: type[ConfigError] = ConfigError) -> ConfigError:
     if len(problems) == 1:
-        err = ConfigError(f"{raw.name}: {problems[0]}")
+        err = cls(f"{raw.name}: {problems[0]}")
     else:
         listing = "\n".join(f"  - {p}" for p in problems)
-        err = ConfigError(f"{raw.name}: {len(problems)} problems:\n{listing}")
+        err = cls(f"{raw.name}: {len(problems)} problems:\n{listing}")
     # One line per problem, for machine-readable output (`print-config --json`).
     err.problems = [f"{raw.name}: {p}" for p in problems]  # type: ignore[attr-defined]
     return err
@@ -78,8 +84,9 @@ def load_config(source: str | Path | dict[str, Any], world_size: int | None = No
     except ValidationError as err:
         raise _fail(raw, format_validation_error(raw, err, ZerorunConfig)) from None
     errors, rule_warnings, notices = check_rules(raw, config)
-    if errors:
-        raise _fail(raw, errors)
+    unsupported = check_runtime_support(raw, config)
+    if errors or unsupported:
+        raise _fail(raw, errors + unsupported, UnsupportedByRuntime if unsupported else ConfigError)
     loaded = LoadedConfig(
         config=config,
         warnings=warnings + rule_warnings,

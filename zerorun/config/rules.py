@@ -25,7 +25,7 @@ from zerorun.config.runtime_support import (
 from zerorun.config.schema import ZerorunConfig
 from zerorun.config.types import AUTO
 
-__all__ = ["check_rules", "open_autos", "set_keys"]
+__all__ = ["check_rules", "check_runtime_support", "open_autos", "set_keys"]
 
 
 def _extra(model: type[BaseModel], name: str) -> dict[str, Any]:
@@ -195,9 +195,9 @@ def _suggest(word: str, choices: Iterable[str]) -> str:
     return f" Did you mean {close[0]!r}?" if close else ""
 
 
-def _optimizer_rules(raw: RawConfig, config: ZerorunConfig) -> tuple[list[str], list[str]]:
-    """The runtime builds the optimizer and scheduler from these tables; anything else would
-    fail in zerorun.initialize on every rank, after the launch."""
+def check_runtime_support(raw: RawConfig, config: ZerorunConfig) -> list[str]:
+    """Optimizer / scheduler the runtime cannot build: valid DeepSpeed, but zerorun.initialize
+    would fail on every rank after the launch."""
     errors: list[str] = []
     opt = config.optimizer
     if opt is not None:
@@ -235,7 +235,7 @@ def _optimizer_rules(raw: RawConfig, config: ZerorunConfig) -> tuple[list[str], 
             missing = sorted(SCHEDULER_REQUIRED.get(sched.type, frozenset()) - set(sched.params))
             if missing:
                 errors.append(f"{raw.where(('scheduler', 'params'))}: {sched.type} needs {', '.join(missing)}")
-    return errors, []
+    return errors
 
 
 def _launcher_rules(raw: RawConfig, config: ZerorunConfig) -> tuple[list[str], list[str]]:
@@ -261,7 +261,7 @@ def check_rules(raw: RawConfig, config: ZerorunConfig) -> tuple[list[str], list[
     """-> (errors, warnings, notices) of the rules between keys."""
     errors: list[str] = []
     warnings: list[str] = []
-    for rule in (_precision_rules, _nvme_rules, _optimizer_rules, _launcher_rules):
+    for rule in (_precision_rules, _nvme_rules, _launcher_rules):
         e, w = rule(raw, config)
         errors += e
         warnings += w
