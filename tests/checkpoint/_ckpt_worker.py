@@ -45,7 +45,7 @@ def batch(step: int, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]
     return x[rank * n : (rank + 1) * n], y[rank * n : (rank + 1) * n]
 
 
-def config(stage: int, world: int, precision: str) -> dict:
+def config(stage: int, world: int, precision: str, offload: dict | None = None) -> dict:
     cfg = {
         "train_micro_batch_size_per_gpu": GLOBAL_BATCH // world,
         "gradient_accumulation_steps": 1,
@@ -64,6 +64,8 @@ def config(stage: int, world: int, precision: str) -> dict:
             stage3_prefetch_bucket_size=500,
             stage3_gather_16bit_weights_on_model_save=True,
         )
+    if offload is not None:
+        cfg["zero_optimization"]["offload_optimizer"] = offload
     if precision == "bf16":
         cfg["bf16"] = {"enabled": True}
     if precision == "fp16":
@@ -89,7 +91,7 @@ def main() -> int:
     spec = json.loads(sys.argv[1])
     torch.manual_seed(0)
     model = Net()
-    engine, *_ = zerorun.initialize(model=model, config=config(spec["stage"], int(spec["world"]), spec.get("precision", "fp32")))
+    engine, *_ = zerorun.initialize(model=model, config=config(spec["stage"], int(spec["world"]), spec.get("precision", "fp32"), spec.get("offload")))
     rank, world = engine.global_rank, engine.world_size
     report: dict = {"losses": {}, "rank": rank, "world": world}
     if spec.get("load") is not None:

@@ -201,3 +201,24 @@ def test_fp16_loss_scaler_state_survives_resume_at_another_stage(tmp_path):
     for s in range(6, 11):
         assert out["scales"][str(s)] == ref["scales"][str(s)], s
     _assert_losses_match(out["losses"], ref["losses"], range(6, 11))
+
+
+def test_resume_with_nvme_offload_and_save_from_it(reference, tmp_path):
+    """Saved without offload, loaded into an engine whose masters and Adam states live in files
+    (offload_optimizer: nvme; a temp dir as the NVMe path); its own save consolidates to the
+    uninterrupted run's weights."""
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(reference["ckpt"], ckpt)
+    (tmp_path / "nvme").mkdir()
+    spec = {
+        "stage": 2, "ckpt": str(ckpt), "load": "global_step3", "steps_to": 6, "save_at": [5],
+        "offload": {"device": "nvme", "nvme_path": str(tmp_path / "nvme")},
+    }
+    results, out = _run(tmp_path, 2, spec, name="nvme")
+    _ok(results)
+    _assert_losses_match(out["losses"], reference["losses"], range(4, 7))
+    ref5 = torch.load(reference["state_dict5"], weights_only=True)
+    consolidate(ckpt, tmp_path / "hf", tag="global_step5")
+    sd = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    for k in sd:
+        torch.testing.assert_close(sd[k], ref5[k], rtol=RTOL, atol=ATOL)
