@@ -281,7 +281,9 @@ def check_stage_out_of_range() -> None:
 
 
 def check_backward_twice_without_step() -> None:
-    engine, *_ = zerorun.initialize(model=model(), config=cfg(optimizer={"type": "SGD", "params": {"lr": 0.1}}))
+    engine, *_ = zerorun.initialize(
+        model=model(), config=cfg(optimizer={"type": "SGD", "params": {"lr": 0.1}})
+    )
     x, y = data(0)
     engine.backward(nn.functional.mse_loss(engine(x), y))
     expect_error(lambda: engine.backward(nn.functional.mse_loss(engine(x), y)), "engine.step()")

@@ -14,11 +14,12 @@ class Case:
     clip: float
     steps: int = 3
     inject: tuple[tuple[int, int], ...] = ()  # (step, rank): that rank's loss becomes inf
+    comm: str | None = None  # communication_data_type
 
     @property
     def name(self) -> str:
         base = f"z{self.stage}-{self.dtype}-ga{self.accum}-clip{self.clip:g}"
-        return base + ("-overflow" if self.inject else "")
+        return base + ("-overflow" if self.inject else "") + (f"-comm{self.comm}" if self.comm else "")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -43,4 +44,6 @@ def matrix(world: int) -> list[Case]:
             Case(stage, "fp16", 1, CLIP, steps=5, inject=((1, world - 1), (2, world - 1)))
             for stage in (0, 1, 2)
         ]
+        # Gradients reduced (and kept) in bf16: communication_data_type.
+        cases += [Case(stage, "bf16", 2, CLIP, comm="bf16") for stage in (0, 2)]
     return cases

@@ -36,6 +36,8 @@ def config_for(case: _cases.Case) -> dict:
     }
     if case.dtype == "bf16":
         cfg["bf16"] = {"enabled": True}
+    if case.comm:
+        cfg["communication_data_type"] = case.comm
     if case.dtype == "fp16":
         cfg["fp16"] = {"enabled": True, "initial_scale_power": 10, "hysteresis": 2, "loss_scale_window": 2}
     return cfg
@@ -159,6 +161,10 @@ def run_case(case: _cases.Case, rank: int, world: int) -> dict | None:
             n: [float((masters[n] - ref.master[n]).abs().max()), float(ref.master[n].abs().max())]
             for n in trainable
         },
+        "master_rel_l2": float(
+            torch.linalg.vector_norm(torch.cat([(masters[n] - ref.master[n]).reshape(-1) for n in trainable]))
+            / torch.linalg.vector_norm(torch.cat([ref.master[n].reshape(-1) for n in trainable]))
+        ),
         "compute_err": {
             n: [
                 float((compute_params[n] - ref.compute[n].float()).abs().max()),

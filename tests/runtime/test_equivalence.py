@@ -77,13 +77,21 @@ def test_matches_reference(results, world: int, case: Case) -> None:  # noqa: AN
     # Global gradient norms (catch gradient-scale mistakes that Adam would hide).
     for step, (a, b) in enumerate(zip(ranks[0]["norms"], r["ref_norms"], strict=True)):
         if math.isfinite(b):
-            assert abs(a - b) <= 1e-5 * b + 1e-7, f"step {step}: grad norm {a} vs reference {b}"
+            norm_rtol = 1e-5 if not case.comm else _tol16(case.comm)
+            assert abs(a - b) <= norm_rtol * b + 1e-7, f"step {step}: grad norm {a} vs reference {b}"
         else:
             assert not math.isfinite(a)
     if case.clip:
         assert max(n for n in r["ref_norms"] if math.isfinite(n)) > CLIP, "clipping never triggered"
 
     # Final weights: fp32 masters (gathered from all shards) and the module's parameters.
+    if case.comm:
+        # communication_data_type bf16 rounds each rank's gradient to bf16 before the sum (that
+        # is the option's meaning): where ranks' gradients cancel, the rounded sum can even flip
+        # sign, and Adam turns that into a full lr-sized step the other way. So: no per-element
+        # bound; the whole master vector within 1% (relative L2), next to the loss/norm checks.
+        assert r["master_rel_l2"] <= 1e-2, r["master_rel_l2"]
+        return
     for name, (err, scale) in r["master_err"].items():
         assert err <= (1e-5 if fp32 else 1e-4) * scale + 1e-6, (
             f"master {name}: max error {err} (max |w| {scale})"
@@ -133,6 +141,8 @@ def test_memory_matches_estimate(results, world: int) -> None:  # noqa: ANN001
             numel, padded, shard = x["trainable_numel"], x["padded_numel"], x["shard_numel"]
             widths = {"fp32": (4, 4, 0), "bf16": (2, 4, 4), "fp16": (2, 4, 4)}[case.dtype]
             p_w, g_w, m_w = widths
+            if case.comm in ("bf16", "fp16"):
+                g_w = 2  # Contract 4: gradients kept in the communication dtype
             partitioned = {
                 "params": False,
                 "grads": case.stage >= 2,

@@ -1,0 +1,82 @@
+"""Offload cases, shared by the worker (runs them) and the tests (check them)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass(frozen=True)
+class OCase:
+    stage: int
+    dtype: str  # fp32 | bf16 | fp16
+    accum: int = 1
+    clip: float = 0.0
+    device: str = "cpu"  # offload_optimizer.device: cpu | nvme | none
+    param: str = "none"  # offload_param.device (stage 3): none | cpu | nvme
+    delayed: bool = False  # zerorun.delayed_param_update
+    warmup: int = 0
+    optim: str = "adamw"  # adamw | adam_l2 | adam_amsgrad | sgd
+    model: str = "tiny"  # tiny (awkward features) | wide (shards > 1024 elements: several NVMe tiles)
+    steps: int = 3
+    inject: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def name(self) -> str:
+        parts = [f"z{self.stage}", self.dtype, f"ga{self.accum}", f"clip{self.clip:g}", f"opt-{self.device}"]
+        if self.param != "none":
+            parts.append(f"param-{self.param}")
+        if self.delayed:
+            parts.append(f"dpu{self.warmup}")
+        if self.optim != "adamw":
+            parts.append(self.optim)
+        if self.model != "tiny":
+            parts.append(self.model)
+        if self.inject:
+            parts.append("overflow")
+        return "-".join(parts)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+LR = 2e-2
+WEIGHT_DECAY = 0.01
+MICRO_BATCH = 2
+CLIP = 0.05
+BUCKET = {"tiny": 100, "wide": 4096}  # tiny: >= 3 flat buffers; wide: shards > 1024
+SUB_GROUP = {"tiny": 48, "wide": 1024}  # several tiles per shard (CPU pipeline / NVMe)
+
+
+def matrix(world: int) -> list[OCase]:
+    if world == 1:
+        return [
+            OCase(2, "bf16", clip=CLIP),
+            OCase(1, "fp32", accum=2, device="nvme", model="wide"),
+            OCase(2, "bf16", clip=CLIP, delayed=True, steps=4),
+            OCase(3, "bf16", clip=CLIP, param="cpu"),
+        ]
+    # Stage 3 gathers per module group in the forward, so every rank must run the same modules:
+    # TinyNet's rank-dependent branch would deadlock it; stage 3 cases use WideNet.
+    cases = [
+        OCase(stage, dtype, accum, clip, model="wide" if stage == 3 else "tiny")
+        for stage in (1, 2, 3)
+        for dtype in ("fp32", "bf16")
+        for accum, clip in ((1, 0.0), (4, CLIP))
+    ]
+    cases += [
+        OCase(3, "bf16", 4, CLIP, device="none", model="wide"),
+        OCase(2, "bf16", clip=CLIP, optim="adam_l2"),
+        OCase(2, "fp32", optim="adam_amsgrad", device="nvme"),
+        OCase(1, "fp32", accum=2, optim="sgd"),
+        OCase(2, "bf16", clip=CLIP, device="nvme", model="wide"),
+        OCase(1, "fp32", accum=2, device="nvme"),
+        OCase(3, "bf16", clip=CLIP, device="nvme", param="nvme", model="wide"),
+        OCase(3, "fp32", accum=2, device="none", param="cpu", model="wide"),
+        OCase(3, "bf16", clip=CLIP, device="cpu", param="cpu", model="wide"),
+        OCase(2, "bf16", clip=CLIP, delayed=True, steps=5),
+        OCase(1, "fp32", accum=2, delayed=True, warmup=2, steps=5),
+        OCase(3, "bf16", delayed=True, steps=4, model="wide"),
+        OCase(2, "fp32", clip=CLIP, device="nvme", delayed=True, model="wide", steps=4),
+        OCase(2, "fp16", clip=CLIP, steps=4, inject=((1, world - 1),)),
+    ]
+    return cases

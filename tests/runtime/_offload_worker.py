@@ -1,0 +1,274 @@
+"""One rank of the offload tests: every case of _offload_cases in one launch; rank 0 computes the
+plain single-process PyTorch reference and writes {case name: result}.
+
+argv: OUT_JSON NVME_DIR [CASE,CASE,...]. Run by test_offload.py via _spawn.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import sys
+import time
+import zlib
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _models  # noqa: E402
+import _offload_cases as oc  # noqa: E402
+
+import zerorun  # noqa: E402
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class WideNet(nn.Module):
+    """Big enough that a rank's shard spans several 1024-element NVMe tiles."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(_models.VOCAB, 48)
+        self.up = nn.Linear(48, 96)
+        self.down = nn.Linear(96, 48)
+        self.head = nn.Linear(48, _models.VOCAB)
+
+    def forward(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        h = self.down(F.gelu(self.up(self.emb(ids))))
+        return F.cross_entropy(self.head(h).float().view(-1, _models.VOCAB), targets.view(-1))
+
+
+def make_model(case: oc.OCase, seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return WideNet() if case.model == "wide" else _models.TinyNet()
+
+
+# The reference uses torch's fused CPU Adam(W): the kernel the offloaded step runs (the default
+# CPU loop rounds differently in the last fp32 bit, which a bf16 rounding flip can amplify).
+OPTIMIZERS = {
+    "adamw": (
+        {"type": "AdamW", "params": {"lr": oc.LR, "weight_decay": oc.WEIGHT_DECAY}},
+        lambda ps: torch.optim.AdamW(ps, lr=oc.LR, weight_decay=oc.WEIGHT_DECAY, fused=True),
+    ),
+    "adam_l2": (
+        {"type": "Adam", "params": {"lr": oc.LR, "weight_decay": oc.WEIGHT_DECAY, "adam_w_mode": False}},
+        lambda ps: torch.optim.Adam(ps, lr=oc.LR, weight_decay=oc.WEIGHT_DECAY, fused=True),
+    ),
+    "adam_amsgrad": (
+        {"type": "AdamW", "params": {"lr": oc.LR, "weight_decay": oc.WEIGHT_DECAY, "amsgrad": True}},
+        lambda ps: torch.optim.AdamW(ps, lr=oc.LR, weight_decay=oc.WEIGHT_DECAY, amsgrad=True, fused=True),
+    ),
+    "sgd": (
+        {"type": "SGD", "params": {"lr": oc.LR, "momentum": 0.9, "weight_decay": oc.WEIGHT_DECAY}},
+        lambda ps: torch.optim.SGD(ps, lr=oc.LR, momentum=0.9, weight_decay=oc.WEIGHT_DECAY),
+    ),
+}
+
+
+def config_for(case: oc.OCase, nvme_dir: str) -> dict:
+    zero: dict = {
+        "stage": case.stage,
+        "reduce_bucket_size": oc.BUCKET[case.model],
+        "sub_group_size": oc.SUB_GROUP[case.model],
+    }
+    if case.device != "none":
+        zero["offload_optimizer"] = {
+            "device": case.device,
+            "pin_memory": True,
+            "nvme_path": nvme_dir,
+            "buffer_count": 3,
+        }
+    if case.param != "none":
+        zero["offload_param"] = {"device": case.param, "pin_memory": True, "nvme_path": nvme_dir}
+    cfg: dict = {
+        "train_micro_batch_size_per_gpu": oc.MICRO_BATCH,
+        "gradient_accumulation_steps": case.accum,
+        "gradient_clipping": case.clip,
+        "optimizer": OPTIMIZERS[case.optim][0],
+        "zero_optimization": zero,
+        "steps_per_print": 1000,
+        "zerorun": {"delayed_param_update": case.delayed, "delayed_param_update_warmup": case.warmup},
+    }
+    if case.stage == 3:
+        zero["stage3_param_persistence_threshold"] = 0
+        cfg["zerorun"]["stage3_group_min_numel"] = 50  # TinyNet: 5+ partitioned groups
+    if case.dtype == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    if case.dtype == "fp16":
+        cfg["fp16"] = {"enabled": True, "initial_scale_power": 10, "hysteresis": 1, "loss_scale_window": 2}
+    return cfg
+
+
+def reference(model: nn.Module, case: oc.OCase, world: int, seed: int, scales: list[float] | None) -> dict:
+    """Plain PyTorch on the global batch, the runtime's mixed-precision recipe, and -- for the
+    delayed update -- gradients of step t computed on the parameters before update t-1."""
+    dtype = DTYPES[case.dtype]
+    master = model
+    compute = copy.deepcopy(master).to(dtype) if (dtype != torch.float32 or case.delayed) else master
+    m_params = [p for p in master.parameters() if p.requires_grad]
+    c_params = [p for p in compute.parameters() if p.requires_grad]
+    opt = OPTIMIZERS[case.optim][1](m_params)
+    inject = {tuple(x) for x in case.inject}
+    losses, norms, taken = [], [], 0
+    for step in range(case.steps):
+        scale = scales[step] if scales else 1.0
+        total = [torch.zeros_like(p, dtype=torch.float32) for p in m_params]
+        step_losses = [[0.0] * world for _ in range(case.accum)]
+        for rank in range(world):
+            acc = [torch.zeros_like(p, dtype=torch.float32) for p in m_params]
+            for micro in range(case.accum):
+                ids, tgt = _models.batch(seed, step, micro, rank, oc.MICRO_BATCH)
+                loss = compute(ids, tgt)
+                step_losses[micro][rank] = float(loss.detach())
+                if (step, rank) in inject:
+                    loss = loss * math.inf
+                (loss * (scale / case.accum)).backward()
+                for a, p in zip(acc, c_params, strict=True):
+                    if p.grad is not None:
+                        a.add_(p.grad)
+                        p.grad = None
+            for t, a in zip(total, acc, strict=True):
+                t.add_(a / world)
+        losses.append(step_losses)
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(t) for t in total])) / scale
+        norms.append(float(norm))
+        if not math.isfinite(float(norm)):
+            continue
+        coef = torch.clamp(torch.tensor(case.clip) / (norm + 1e-6), max=1.0) if case.clip > 0 else None
+        for p, t in zip(m_params, total, strict=True):
+            p.grad = t / scale if scale != 1.0 else t
+            if coef is not None:
+                p.grad.mul_(coef)
+        delayed_now = case.delayed and taken >= case.warmup
+        before = [p.detach().clone() for p in m_params] if delayed_now else None
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        taken += 1
+        if compute is not master:
+            with torch.no_grad():
+                for c, m in zip(c_params, before or m_params, strict=True):
+                    c.copy_(m)
+    return {
+        "losses": losses,
+        "norms": norms,
+        "master": {n: p.detach().clone() for n, p in master.named_parameters()},
+        "compute": {n: p.detach().float().clone() for n, p in compute.named_parameters()},
+    }
+
+
+def full_masters(engine) -> dict[str, torch.Tensor]:
+    state = engine.stage.state
+    state.synchronize()
+    out = {}
+    for layout, master in zip(state.layouts, state.masters, strict=True):
+        full = torch.empty(layout.padded_numel, dtype=torch.float32)
+        if layout.num_shards > 1:
+            dist.all_gather_into_tensor(full, master.detach().float().contiguous())
+        else:
+            full.copy_(master.detach().float())
+        for slot in layout.slots:
+            out[slot.name] = full[slot.offset : slot.offset + slot.numel].view(slot.shape).clone()
+    return out
+
+
+def compute_params(model: nn.Module, stage: int) -> dict[str, torch.Tensor]:
+    if stage == 3:
+        with zerorun.zero.GatheredParameters(list(model.parameters())):
+            return {n: p.detach().float().clone() for n, p in model.named_parameters()}
+    return {n: p.detach().float().clone() for n, p in model.named_parameters()}
+
+
+def run_case(case: oc.OCase, rank: int, world: int, nvme_dir: str) -> dict | None:
+    seed = 4321 + zlib.crc32(case.name.encode()) % 1000
+    model = make_model(case, seed)
+    ref_model = make_model(case, seed)
+    engine, _, _, _ = zerorun.initialize(model=model, config=config_for(case, nvme_dir))
+    placement = engine.stage.state.placement
+    inject = {tuple(x) for x in case.inject}
+    losses, norms, scales_before, in_flight = [], [], [], []
+    for step in range(case.steps):
+        scales_before.append(engine.get_loss_scale())
+        for micro in range(case.accum):
+            ids, tgt = _models.batch(seed, step, micro, rank, oc.MICRO_BATCH)
+            loss = engine(ids, tgt)
+            losses.append(loss.item())
+            engine.backward(loss * math.inf if (step, rank) in inject else loss)
+            engine.step()
+        runner = getattr(placement, "runner", None)
+        in_flight.append(bool(runner is not None and runner.busy))  # a delayed step still running
+        norms.append(engine.get_global_grad_norm())
+    memory = engine.memory_summary()
+    masters = full_masters(engine)
+    files_dir = getattr(getattr(placement, "files", None), "dir", None)
+    store = getattr(placement, "param_store", None)
+    info = {
+        "rank": rank,
+        "losses": losses,
+        "norms": norms,
+        "in_flight": in_flight,
+        "placement": type(placement).__name__,
+        "max_tiles": max((len(t) for t in getattr(placement, "tiles", [])), default=0),
+        "delayed_steps": getattr(placement, "delayed_steps", 0),
+        "steps_taken": getattr(placement, "steps", 0),
+        "skipped_steps": engine.skipped_steps,
+        "memory": memory,
+        "shard_numel": sum(layout.shard_numel for layout in engine.stage.layouts),
+        "store_fetches": getattr(store, "fetches", None),
+        "files": sorted(os.listdir(files_dir)) if files_dir else [],
+        "direct_io": getattr(getattr(placement, "files", None), "direct", None),
+    }
+    compute = compute_params(model, case.stage)
+    engine.destroy()
+    info["files_removed"] = files_dir is None or not os.path.exists(files_dir)
+    gathered = [None] * world
+    dist.all_gather_object(gathered, info)
+    if rank != 0:
+        return None
+    ref = reference(ref_model, case, world, seed, scales_before if case.dtype == "fp16" else None)
+    ref_losses = [
+        [ref["losses"][s][m][r] for s in range(case.steps) for m in range(case.accum)] for r in range(world)
+    ]
+
+    def err(a: torch.Tensor, b: torch.Tensor) -> list[float]:
+        return [float((a - b).abs().max()), float(b.abs().max())]
+
+    return {
+        "ranks": gathered,
+        "ref_losses": ref_losses,
+        "ref_norms": ref["norms"],
+        "master_err": {n: err(masters[n], ref["master"][n]) for n in masters},
+        "compute_err": {n: err(compute[n], ref["compute"][n]) for n in ref["compute"]},
+    }
+
+
+def main() -> None:
+    out_path, nvme_dir = Path(sys.argv[1]), sys.argv[2]
+    only = set(sys.argv[3].split(",")) if len(sys.argv) > 3 and sys.argv[3] else None
+    torch.use_deterministic_algorithms(True)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    results: dict = {}
+    t0 = time.monotonic()
+    for case in oc.matrix(world):
+        if only and case.name not in only:
+            continue
+        t = time.monotonic()
+        r = run_case(case, rank, world, nvme_dir)
+        if r is not None:
+            r["seconds"] = time.monotonic() - t
+            results[case.name] = r
+    if rank == 0:
+        results["_total_seconds"] = time.monotonic() - t0
+        out_path.write_text(json.dumps(results))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,372 @@
+"""One rank of the stage-3 tests: every case in one launch; rank 0 computes references and
+writes {case: result} to argv[1]. Run by test_stage3.py through _spawn.spawn_ranks."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import time
+import zlib
+from itertools import product
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _s3_models as M  # noqa: E402
+
+import zerorun  # noqa: E402
+from zerorun.errors import RuntimeConfigError  # noqa: E402
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+MICRO, LR, WD, CLIP = 2, 2e-2, 0.01, 0.05
+THRESHOLD = 40  # elements: LayerNorms and biases stay persistent, linears and the embedding partition
+
+
+def config(dtype: str, accum: int, clip: float, **zero: object) -> dict:
+    cfg: dict = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": accum,
+        "gradient_clipping": clip,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD}},
+        "zero_optimization": {
+            "stage": 3,
+            "stage3_param_persistence_threshold": THRESHOLD,
+            "stage3_max_reuse_distance": 0,
+            **zero,
+        },
+        "steps_per_print": 1000,
+    }
+    if dtype == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    return cfg
+
+
+def gather_masters(engine) -> dict[str, torch.Tensor]:
+    st = engine.stage.state
+    out = {}
+    for layout, master in zip(st.layouts, st.masters, strict=True):
+        full = torch.empty(layout.padded_numel, dtype=torch.float32)
+        if layout.num_shards > 1:
+            dist.all_gather_into_tensor(full, master.detach().float().contiguous())
+        else:
+            full.copy_(master.detach().float())
+        for slot in layout.slots:
+            out[slot.name] = full[slot.offset : slot.offset + slot.numel].view(slot.shape).clone()
+    return out
+
+
+def train(engine, model, *, seed: int, rank: int, steps: int, accum: int) -> dict:
+    losses, evals, norms = [], [], []
+    stage = engine.stage
+    for step in range(steps):
+        model.flip = M.flip_for(step)
+        for micro in range(accum):
+            ids, tgt = M.batch(seed, step, micro, rank, MICRO)
+            loss = engine(ids, tgt)
+            losses.append(loss.item())
+            engine.backward(loss)
+            engine.step()
+        norms.append(engine.get_global_grad_norm())
+        # eval-mode forward between training steps (generation-loop style)
+        engine.eval()
+        with torch.no_grad():
+            ids, tgt = M.batch(seed, step, 99, 0, MICRO)
+            evals.append(engine(ids, tgt).item())
+        engine.train()
+        assert stage.gathered_bytes() == 0, "groups left gathered after an eval forward"
+    return {"losses": losses, "evals": evals, "norms": norms}
+
+
+def structure(engine) -> dict:
+    st = engine.stage
+    part = [g for g in st.groups if not g.persistent]
+    return {
+        "n_partitioned": len(part),
+        "group_names": [g.name for g in st.groups],
+        "prefetches": st.schedule.prefetches,
+        "prefetch_hits": st.schedule.prefetch_hits,
+        "launches": st.hooks.launches,
+        "launched_during_backward": st.hooks.launched_during_backward,
+        "peak_live_numel": st.schedule.peak_live_numel,
+        "max_group_numel": max(g.numel for g in part),
+        "at_rest_bytes": sum(r.numel() * r.element_size() for g in part for r in g.at_rest),
+        "persistent_bytes": sum(
+            f.numel() * f.element_size() for g in st.groups if g.persistent for f in g.full
+        ),
+        "partitioned_full_bytes": sum(g.nbytes for g in part),
+        "memory": engine.memory_summary(),
+        "frozen_bytes": sum(p.numel() * p.element_size() for p in engine.module.frozen.parameters()),
+        "grad_shard_bytes": sum(layout.shard_numel for layout in st.layouts) * 4,
+        "tied_kept": engine.module.head.weight is engine.module.emb.weight
+        and engine.module.blocks[3].fc1.weight is engine.module.blocks[0].fc1.weight,
+        "root_has_tied_block_weight": "blocks.0.fc1.weight" in st.groups[0].param_names(),
+    }
+
+
+def compare(ref: M.Ref, masters: dict, compute: dict) -> dict:
+    return {
+        "master_err": {
+            n: [float((masters[n] - ref.master[n]).abs().max()), float(ref.master[n].abs().max())]
+            for n in masters
+        },
+        "compute_err": {
+            n: [
+                float((compute[n] - ref.compute[n].float()).abs().max()),
+                float(ref.compute[n].float().abs().max()),
+            ]
+            for n in ref.compute
+            if n in compute
+        },
+    }
+
+
+def full_params(engine) -> dict[str, torch.Tensor]:
+    """Full compute-dtype parameters via module.state_dict() (collective at stage 3)."""
+    sd = engine.module.state_dict()
+    return {k: v.float() for k, v in sd.items()}
+
+
+def run_equivalence(
+    name: str, dtype: str, accum: int, clip: float, rank: int, world: int, *, build: str = "plain"
+) -> dict | None:
+    seed = 1000 + zlib.crc32(name.encode()) % 1000
+    steps = 3
+    if build == "init":
+        with zerorun.zero.Init(config=config(dtype, accum, clip)):
+            torch.manual_seed(seed)
+            model = M.S3Net()
+    elif build == "load":
+        model = M.make_model(seed + 7)  # different weights, replaced below
+    else:
+        model = M.make_model(seed)
+    engine, *_ = zerorun.initialize(model=model, config=config(dtype, accum, clip))
+    if build == "load":
+        engine.module.load_state_dict(M.make_model(seed).state_dict())
+    result = train(engine, model, seed=seed, rank=rank, steps=steps, accum=accum)
+    result.update(structure(engine))
+    masters = gather_masters(engine)
+    compute = full_params(engine)
+    engine.destroy()
+    gathered = [None] * world
+    dist.all_gather_object(gathered, result)
+    if rank != 0:
+        return None
+    ref = M.reference(
+        M.make_model(seed),
+        dtype=DTYPES[dtype],
+        world=world,
+        steps=steps,
+        accum=accum,
+        micro_batch=MICRO,
+        seed=seed,
+        clip=clip,
+        lr=LR,
+        weight_decay=WD,
+    )
+    out = {"ranks": gathered, "ref_losses": ref.losses, "ref_evals": ref.eval_losses, "ref_norms": ref.norms}
+    out.update(compare(ref, masters, compute))
+    out["frozen_equal"] = bool(
+        torch.equal(compute["frozen.weight"], M.make_model(seed).frozen.weight.to(DTYPES[dtype]).float())
+    )
+    return out
+
+
+def run_init_equal(rank: int, world: int) -> dict:
+    """zero.Init construction == normal construction with the same seed, bit for bit."""
+    with zerorun.zero.Init(config=config("fp32", 1, 0.0)):
+        torch.manual_seed(77)
+        model = M.S3Net()
+    placeholders = all(p.numel() == 0 for p in model.parameters())
+    ref = M.make_model(77).state_dict()
+    got = model.state_dict()  # collective: full tensors
+    same = all(torch.equal(got[k].float(), ref[k].float()) for k in ref)
+    with zerorun.zero.GatheredParameters(list(model.parameters())):
+        shapes_ok = all(tuple(p.shape) == tuple(ref[n].shape) for n, p in model.named_parameters())
+    shard_numel = sum(p._zerorun_init.shard_numel for p in model.parameters())
+    total = sum(v.numel() for v in ref.values() if True)
+    return {
+        "placeholders": placeholders,
+        "same": same,
+        "shapes_ok": shapes_ok,
+        "shard_numel": shard_numel,
+        "total": total,
+    }
+
+
+def run_gathered(rank: int, world: int) -> dict:
+    """GatheredParameters read and modify (modifier_rank=0) on a stage-3 engine; the masters
+    follow, so the next step starts from the modified value."""
+    seed = 55
+    model = M.make_model(seed)
+    engine, *_ = zerorun.initialize(model=model, config=config("bf16", 1, 0.0))
+    w = engine.module.blocks[2].fc1.weight
+    released_shape = tuple(w.shape)
+    with zerorun.zero.GatheredParameters(w):
+        read_ok = bool(
+            torch.equal(w.float(), M.make_model(seed).blocks[2].fc1.weight.to(torch.bfloat16).float())
+        )
+        w.data.fill_(float(rank + 5))  # read-only: discarded
+    with zerorun.zero.GatheredParameters(w):
+        discarded = bool(
+            torch.equal(w.float(), M.make_model(seed).blocks[2].fc1.weight.to(torch.bfloat16).float())
+        )
+    with zerorun.zero.GatheredParameters([w, engine.module.blocks[2].fc1.bias], modifier_rank=0):
+        w.data.fill_(0.25 if rank == 0 else -1.0)
+    with zerorun.zero.GatheredParameters(w):
+        modified = bool((w.float() == 0.25).all())
+    masters = gather_masters(engine)
+    master_ok = bool((masters["blocks.2.fc1.weight"] == 0.25).all())
+    other_ok = bool(torch.equal(masters["blocks.2.fc2.weight"], M.make_model(seed).blocks[2].fc2.weight))
+    engine.destroy()
+    return {
+        "released_shape": list(released_shape),
+        "read_ok": read_ok,
+        "discarded": discarded,
+        "modified": modified,
+        "master_ok": master_ok,
+        "other_master_exact": other_ok,
+    }
+
+
+def run_safetensors(rank: int, world: int, tmp: str) -> dict:
+    """Pretrained weights from a safetensors file into a zero.Init model, slice by slice, then
+    training equals training the pretrained model."""
+    from safetensors.torch import save_file
+
+    seed = 66
+    path = Path(tmp) / "pretrained.safetensors"
+    if rank == 0:
+        sd = M.make_model(seed).state_dict()
+        sd.pop("head.weight")  # tied: stored once, as Hugging Face does
+        sd.pop("blocks.3.fc1.weight")
+        save_file({k: v.contiguous() for k, v in sd.items()}, str(path))
+    dist.barrier()
+    with zerorun.zero.Init(config=config("fp32", 1, 0.0)):
+        torch.manual_seed(seed + 1)
+        model = M.S3Net()
+    missing = zerorun.zero.load_pretrained(model, path)
+    engine, *_ = zerorun.initialize(model=model, config=config("fp32", 1, 0.0))
+    res = train(engine, model, seed=seed, rank=rank, steps=2, accum=1)
+    masters = gather_masters(engine)
+    engine.destroy()
+    ref = M.reference(
+        M.make_model(seed),
+        dtype=torch.float32,
+        world=world,
+        steps=2,
+        accum=1,
+        micro_batch=MICRO,
+        seed=seed,
+        clip=0.0,
+        lr=LR,
+        weight_decay=WD,
+    )
+    err = max(float((masters[n] - ref.master[n]).abs().max()) for n in masters)
+    return {
+        "missing": missing,
+        "master_err": err,
+        "losses": res["losses"],
+        "ref_losses": [ref.losses[s][0][rank] for s in range(2)],
+    }
+
+
+def run_limits(rank: int, world: int) -> dict:
+    """Tight stage3_max_live_parameters / prefetch bucket: gathered elements never exceed the
+    live limit plus one group; with the default-style reuse distance blocks are kept."""
+    out = {}
+    for label, zero in {
+        "tight": {"stage3_max_live_parameters": 2000, "stage3_prefetch_bucket_size": 400},
+        "no_prefetch": {"stage3_prefetch_bucket_size": 0},
+        "keep": {"stage3_max_reuse_distance": 1_000_000_000},
+    }.items():
+        model = M.make_model(3)
+        cfg = config("fp32", 1, 0.0, **zero)
+        engine, *_ = zerorun.initialize(model=model, config=cfg)
+        res = train(engine, model, seed=3, rank=rank, steps=2, accum=1)
+        out[label] = {
+            **structure(engine),
+            "losses": res["losses"],
+            "max_live": zero.get("stage3_max_live_parameters"),
+        }
+        engine.destroy()
+    cfg = config("fp32", 1, 0.0)
+    cfg["zerorun"] = {"stage3_reshard_after_forward": False}
+    model = M.make_model(3)
+    engine, *_ = zerorun.initialize(model=model, config=cfg)
+    res = train(engine, model, seed=3, rank=rank, steps=2, accum=1)
+    out["no_reshard"] = {**structure(engine), "losses": res["losses"]}
+    engine.destroy()
+    cfg = config("fp32", 1, 0.0)
+    cfg["zerorun"] = {"stage3_group_modules": ["Linear"]}
+    model = M.make_model(3)
+    engine, *_ = zerorun.initialize(model=model, config=cfg)
+    res = train(engine, model, seed=3, rank=rank, steps=2, accum=1)
+    out["by_class"] = {**structure(engine), "losses": res["losses"]}
+    engine.destroy()
+    return out
+
+
+def run_order_check(rank: int, world: int) -> dict:
+    """Ranks taking different branches in one step: the debug check names the modules."""
+    cfg = config("fp32", 1, 0.0)
+    cfg["zerorun"] = {"stage3_check_order": True}
+    model = M.make_model(4)
+    engine, *_ = zerorun.initialize(model=model, config=cfg)
+    model.flip = rank == 1
+    ids, tgt = M.batch(4, 0, 0, rank, MICRO)
+    try:
+        engine(ids, tgt)
+        return {"raised": False}
+    except RuntimeConfigError as exc:
+        return {"raised": True, "message": str(exc)}
+    finally:
+        engine.destroy()
+
+
+def main() -> None:
+    out_path = Path(sys.argv[1])
+    torch.use_deterministic_algorithms(True)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    results: dict = {}
+    t0 = time.monotonic()
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp_shared = str(out_path.parent) if tmp else tmp
+        for dtype, accum, clip in product(("fp32", "bf16"), (1, 4), (0.0, CLIP)):
+            name = f"{dtype}-ga{accum}-clip{clip:g}"
+            t = time.monotonic()
+            r = run_equivalence(name, dtype, accum, clip, rank, world)
+            if r is not None:
+                r["seconds"] = time.monotonic() - t
+                results[name] = r
+        if world > 1:
+            for build in ("init", "load"):
+                r = run_equivalence(f"{build}-bf16", "bf16", 1, CLIP, rank, world, build=build)
+                if r is not None:
+                    results[f"build-{build}"] = r
+            extras = {
+                "init_equal": lambda: run_init_equal(rank, world),
+                "gathered": lambda: run_gathered(rank, world),
+                "safetensors": lambda: run_safetensors(rank, world, tmp_shared),
+                "limits": lambda: run_limits(rank, world),
+                "order_check": lambda: run_order_check(rank, world),
+            }
+            for key, fn in extras.items():
+                r = fn()
+                gathered = [None] * world
+                dist.all_gather_object(gathered, r)
+                if rank == 0:
+                    results[key] = gathered
+    if rank == 0:
+        results["_total_seconds"] = time.monotonic() - t0
+        out_path.write_text(json.dumps(results))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
