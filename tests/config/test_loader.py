@@ -286,6 +286,9 @@ def test_cross_field_rules():
     assert "zero_optimization.contiguous_gradients: applies at stages 2/3 only; ignored at stage 1" in text
     assert "zerorun.stage3_check_order: applies at stage 3 only; ignored at stage 1" in text
 
+    loaded = load_config({"bf16": {"enabled": True}, "communication_data_type": "fp16"})
+    assert any("can exceed fp16's range" in w for w in loaded.warnings)
+
     loaded = load_config({"amp": {"enabled": True, "opt_level": "O1"}})
     assert any("does not use NVIDIA apex AMP" in w for w in loaded.warnings)
     assert "mutually exclusive" in error_of({"launcher": {"include": "a", "exclude": "b"}})

@@ -173,6 +173,11 @@ def _precision_rules(raw: RawConfig, config: ZerorunConfig) -> tuple[list[str], 
             f"{raw.where(('fp16', 'enabled'))} and {raw.where(('bf16', 'enabled'))} are both true; "
             "choose one (bf16 on GPUs that support it, such as A100/H100; fp16 otherwise)"
         )
+    if config.communication_data_type == "fp16" and config.bf16.enabled is True:
+        warnings.append(
+            f"{raw.where(('communication_data_type',))} = 'fp16' with bf16 training: bf16 gradients can exceed "
+            "fp16's range (max 65504) and overflow in the reduction; use 'bf16' or 'fp32'"
+        )
     amp_on = config.amp.enabled
     if amp_on is True or amp_on == AUTO:
         others = [s for s in ("fp16", "bf16") if getattr(config, s).enabled in (True, AUTO)]
