@@ -119,7 +119,8 @@ def startup(repeats: int, sizes: list[int], tmp: Path) -> list[dict[str, object]
             }
             rows.append(row)
             print(
-                f"start-up {kind:5s} {nproc} ranks: zerorun {row['zerorun_s']:.3f} s, torchrun {row['torchrun_s']:.3f} s",
+                f"start-up {kind:5s} {nproc} ranks: zerorun {row['zerorun_s']:.3f} s (min {row['zerorun_min_s']:.3f}), "
+                f"torchrun {row['torchrun_s']:.3f} s (min {row['torchrun_min_s']:.3f}), load {row['load_avg']}",
                 flush=True,
             )
     return rows
