@@ -27,7 +27,7 @@ from torch import nn
 
 from zerorun.runtime.flat_params import TrainableParam
 
-__all__ = ["GroupPlan", "plan_groups", "group_modules"]
+__all__ = ["GroupPlan", "plan_groups", "group_modules", "numel_of"]
 
 
 @dataclass
@@ -36,6 +36,11 @@ class GroupPlan:
     module: nn.Module | None
     params: list[TrainableParam] = field(default_factory=list)
     persistent: bool = False
+
+
+def numel_of(p: nn.Parameter) -> int:
+    """Elements of the whole parameter, also when ``zero.Init`` left a placeholder."""
+    return int(getattr(p, "ds_numel", p.numel()))
 
 
 def _by_class(root: nn.Module, class_names: Sequence[str]) -> list[tuple[str, nn.Module]]:
@@ -68,7 +73,7 @@ def _by_size(root: nn.Module, min_numel: int) -> list[tuple[str, nn.Module]]:
             total += visit(f"{path}.{name}" if path else name, child, False)
         for p in m.parameters(recurse=False):
             if id(p) not in counted:
-                total += p.numel()
+                total += numel_of(p)
         if not is_root and total >= min_numel:
             chosen.append((path, m))
             counted.update(id(p) for p in m.parameters())
@@ -144,7 +149,7 @@ def plan_groups(
     plans = [GroupPlan("", root)] + [GroupPlan(path, m) for path, m in modules]
     persistent = GroupPlan("<persistent>", None, persistent=True)
     for t in reversed(list(trainable)):  # trainable is in gradient (reverse registration) order
-        if t.param.numel() <= persistence_threshold:
+        if numel_of(t.param) <= persistence_threshold:
             persistent.params.append(t)
             continue
         # register_external_parameter: used outside its module's forward -> the root group

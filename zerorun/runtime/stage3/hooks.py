@@ -130,8 +130,6 @@ class Stage3Hooks:
             outs = [x for x in tree_flatten(output)[0] if torch.is_tensor(x) and x.requires_grad]
             if outs:
                 register_multi_grad_hook(outs, lambda _grads: self._open_backward(), mode="any")
-        if self.check_order:
-            self._check_same_order(self.schedule.fwd_cur, "forward")
         if not grad:  # no backward follows: nothing stays gathered
             for g in self.groups:
                 g.release()
@@ -144,6 +142,8 @@ class Stage3Hooks:
                 g.wait()
                 self.schedule.note_live()
                 return None
+            if self.check_order:
+                self._check_same_group(g, "forward")
             upcoming = self.schedule.on_forward(g)
             if g.live:
                 self.schedule.prefetch_hits += 1  # gathered ahead (prefetched or kept)
@@ -192,6 +192,8 @@ class Stage3Hooks:
 
     def pre_backward(self, g: ParamGroup) -> None:
         self._open_backward()
+        if self.check_order:
+            self._check_same_group(g, "backward")
         self.calls[g.index].touched = True
         upcoming = self.schedule.on_backward(g)
         if g.live:
@@ -218,8 +220,6 @@ class Stage3Hooks:
         for g in self.groups:
             g.release()
         self.calls = [_Calls() for _ in self.groups]
-        if self.check_order:
-            self._check_same_order(self.schedule.bwd_cur, "backward")
         self.schedule.end_backward()
         self.backward_open = False
 
@@ -243,26 +243,26 @@ class Stage3Hooks:
             self._staging_live = max(0, self._staging_live - g.staging_bytes())
 
     # -- debug: same order on every rank --------------------------------------------------------
-    def _check_same_order(self, order: list[int], what: str) -> None:
-        import torch.distributed as dist
-
-        comm = self.groups[0].comm if self.groups else None
-        if comm is None or comm.world_size == 1:
+    def _check_same_group(self, g: ParamGroup, what: str) -> None:
+        """Before a group is gathered on demand, check every rank is about to gather the same
+        one (one tiny all-gather): ranks that diverge would otherwise exchange different groups'
+        shards -- mixing weights silently, or crashing the backend when the sizes differ."""
+        comm = g.comm
+        if comm.world_size == 1:
             return
-        gathered: list[Any] = [None] * comm.world_size
-        dist.all_gather_object(gathered, list(order), group=comm.group)
-        if all(o == gathered[0] for o in gathered):
+        mine = torch.tensor([g.index], dtype=torch.int64, device=comm.device)
+        every = torch.empty(comm.world_size, dtype=torch.int64, device=comm.device)
+        comm.all_gather(every, mine).wait()
+        indices = every.tolist()  # host sync: debug option only
+        if len(set(indices)) == 1:
             return
-
-        def names(o: list[int]) -> str:
-            return " -> ".join(self.groups[i].name or "<root>" for i in o)
-
-        lines = [f"  rank {r}: {names(o)}" for r, o in enumerate(gathered)]
+        done = self.schedule.fwd_cur if what == "forward" else self.schedule.bwd_cur
+        so_far = " -> ".join(self.groups[i].name or "<root>" for i in done) or "(nothing yet)"
+        lines = [f"  rank {r}: {self.groups[i].name or '<root>'}" for r, i in enumerate(indices)]
         raise RuntimeConfigError(
-            f"ZeRO stage 3: ranks ran the parameter groups in different orders in this {what} "
-            "(each rank gathers the groups it runs; different orders mix weights or hang):\n"
-            + "\n".join(lines)
-            + "\nMake data-dependent branches take the same path on every rank within a step "
-            "(e.g. decide from an all-reduced value), or keep the branch's module out of its own group "
-            "(zerorun.stage3_group_modules)."
+            f"ZeRO stage 3: ranks are about to gather different parameter groups in this {what} "
+            f"(after {so_far}):\n" + "\n".join(lines) + "\nEvery rank must run the groups in the same "
+            "order within a step (different orders mix weights or hang). Make data-dependent branches take "
+            "the same path on every rank (e.g. decide from an all-reduced value), or move the branch's "
+            "modules out of their own groups (zerorun.stage3_group_modules)."
         )

@@ -232,7 +232,8 @@ class _LoadHooks:
         error_msgs: list[str],
     ) -> None:
         for name, p in module._parameters.items():
-            if p is None or not is_partitioned(p):
+            # Every stage-3 parameter, replicated ones too: their fp32 masters must follow.
+            if p is None or (_group(p) is None and _init(p) is None):
                 continue
             key = prefix + name
             if key not in state_dict:
