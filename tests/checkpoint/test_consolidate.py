@@ -168,3 +168,12 @@ def test_consolidation_memory_is_bounded_by_largest_tensor_plus_shard(tmp_path):
     back = load_file(str(files[3]))
     assert set(back) == {f"layer{i}.weight" for i in range(12, 16)}
     print("consolidation RSS growth (MB):", {k: round(v / 2**20, 1) for k, v in results.items()})
+
+
+def test_consolidate_cli_does_not_import_torch_until_it_runs():
+    code = "import sys, zerorun.cli.consolidate_cmd; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "zerorun", "consolidate", "--help"], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0 and "--max_shard_size" in out.stdout

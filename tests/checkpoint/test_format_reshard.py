@@ -102,3 +102,32 @@ def test_meta_roundtrip_and_newer_format_refused(tmp_path):
         CheckpointMeta.from_json(json.dumps(d), "m.json")
     with pytest.raises(CheckpointError, match="not a zerorun checkpoint"):
         CheckpointMeta.from_json('{"a": 1}', "m.json")
+
+
+def test_many_rank_files_bounded_descriptors(tmp_path):
+    """A checkpoint saved by 20 ranks, read under a 3-rank layout: every value right, never more
+    than 16 shard files open at once."""
+    state = model_state(SIZES, seed=3)
+    _save(tmp_path, state, world_size=20, stage=2, bucket_numel=40)
+    peak = 0
+    with CheckpointReader(tmp_path) as rd:
+        for r in range(3):
+            zeros = {k: {n: torch.zeros_like(t) for n, t in d.items()} for k, d in state.items()}
+            for f in rank_fragments(zeros, world_size=3, rank=r, stage=3, bucket_numel=1000):
+                rd.read_into(f.name, f.kind, f.start, f.end, f.tensor)
+                assert torch.equal(f.tensor, state[f.kind][f.name].reshape(-1)[f.start : f.end])
+                peak = max(peak, _open_shard_files())
+    assert 3 < peak <= 16
+    assert _open_shard_files() == 0
+
+
+def _open_shard_files() -> int:
+    import os
+
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            n += "shard_rank" in os.readlink(f"/proc/self/fd/{fd}")
+        except FileNotFoundError:  # the descriptor listdir itself used
+            pass
+    return n

@@ -195,14 +195,15 @@ class _Stored:
 
 
 class SafetensorsReader:
-    """Header-only open of a safetensors file; `read` fetches any element range of a tensor."""
+    """Header-only open of a safetensors file; `read` fetches any element range of a tensor.
+
+    `close()` releases the file descriptor but keeps the parsed header; a later `read` reopens
+    the file (a reader of many files can bound its open descriptors without re-parsing).
+    """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = os.fspath(path)
-        try:
-            self._file: BinaryIO = open(self.path, "rb")  # noqa: SIM115 - closed in close()
-        except OSError as err:
-            raise CheckpointError(f"cannot open {self.path}: {err.strerror}") from err
+        self._file: BinaryIO | None = self._open()
         try:
             raw_len = self._file.read(8)
             if len(raw_len) != 8:
@@ -231,6 +232,16 @@ class SafetensorsReader:
                 self._file.close()
                 raise CheckpointError(f"{self.path}: truncated (tensor {name!r} ends past the end of file)")
             self._tensors[name] = _Stored(dtype, tuple(info["shape"]), data_start + b, data_start + e)
+
+    def _open(self) -> BinaryIO:
+        try:
+            return open(self.path, "rb")  # noqa: SIM115 - closed in close()
+        except OSError as err:
+            raise CheckpointError(f"cannot open {self.path}: {err.strerror}") from err
+
+    @property
+    def is_open(self) -> bool:
+        return self._file is not None
 
     def keys(self) -> list[str]:
         return list(self._tensors)
@@ -266,6 +277,8 @@ class SafetensorsReader:
         if buf.numel() != n:
             raise CheckpointError(f"{self.path}: destination has {buf.numel()} elements, range has {n}")
         if n:
+            if self._file is None:
+                self._file = self._open()
             item = buf.element_size()
             self._file.seek(st.begin + start * item)
             view = memoryview(buf.view(torch.uint8).numpy()).cast("B")
@@ -282,7 +295,9 @@ class SafetensorsReader:
         return self.read(name).reshape(self.shape(name))
 
     def close(self) -> None:
-        self._file.close()
+        if self._file is not None:
+            self._file.close()
+            self._file = None
 
     def __enter__(self) -> SafetensorsReader:
         return self

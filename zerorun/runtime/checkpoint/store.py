@@ -96,18 +96,22 @@ class CheckpointReader:
             )
         # (name, kind) -> records sorted by start; parallel list of starts for bisect
         self._index: dict[tuple[str, str], list[FragmentRecord]] = defaultdict(list)
+        # Every header is parsed once and kept (small); descriptors are opened on demand.
+        self._readers: dict[str, SafetensorsReader] = {}
         for r in range(self.meta.world_size):
-            with SafetensorsReader(self.dir / shard_file(r)) as rd:
-                text = rd.metadata.get(FRAGMENT_INDEX_KEY)
-                if text is None:
-                    raise CheckpointError(f"{rd.path}: no fragment index (not written by zerorun?)")
-                for rec in decode_fragment_index(text, shard_file(r)):
-                    self._index[(rec.name, rec.kind)].append(rec)
+            rd = SafetensorsReader(self.dir / shard_file(r))
+            rd.close()
+            self._readers[shard_file(r)] = rd
+            text = rd.metadata.get(FRAGMENT_INDEX_KEY)
+            if text is None:
+                raise CheckpointError(f"{rd.path}: no fragment index (not written by zerorun?)")
+            for rec in decode_fragment_index(text, shard_file(r)):
+                self._index[(rec.name, rec.kind)].append(rec)
         self._starts: dict[tuple[str, str], list[int]] = {}
         for k, recs in self._index.items():
             recs.sort(key=lambda x: x.start)
             self._starts[k] = [x.start for x in recs]
-        self._open: OrderedDict[str, SafetensorsReader] = OrderedDict()
+        self._open: OrderedDict[str, None] = OrderedDict()  # files with an open descriptor, LRU
         self.params = {p.name: p for p in self.meta.params}
         self.buffers = {b.name: b for b in self.meta.buffers}
 
@@ -124,16 +128,14 @@ class CheckpointReader:
         return info.numel
 
     def _reader(self, file: str) -> SafetensorsReader:
-        rd = self._open.get(file)
-        if rd is not None:
+        if file in self._open:
             self._open.move_to_end(file)
-            return rd
-        if len(self._open) >= _MAX_OPEN:
-            _, old = self._open.popitem(last=False)
-            old.close()
-        rd = SafetensorsReader(self.dir / file)
-        self._open[file] = rd
-        return rd
+        else:
+            if len(self._open) >= _MAX_OPEN:
+                old, _ = self._open.popitem(last=False)
+                self._readers[old].close()
+            self._open[file] = None
+        return self._readers[file]  # reopens its descriptor on the next read
 
     def read_into(self, name: str, kind: str, start: int, end: int, out: torch.Tensor) -> None:
         """Fill ``out`` (``end - start`` elements, any dtype/device) with elements [start, end)
@@ -179,9 +181,9 @@ class CheckpointReader:
         return out
 
     def close(self) -> None:
-        while self._open:
-            _, rd = self._open.popitem()
+        for rd in self._readers.values():
             rd.close()
+        self._open.clear()
 
     def __enter__(self) -> CheckpointReader:
         return self
