@@ -144,6 +144,10 @@ class GradReducer:
 class _FullAccumulation(GradReducer):
     """Full reduce-dtype gradient buffers that accumulate across micro-steps (stages 0 and 1)."""
 
+    # Persistent buffers that nothing else touches until end_backward: no memory to bound, and
+    # retiring early would only make the compute stream wait for the network.
+    max_inflight = 1 << 30
+
     def __init__(self, flat: FlatParamBuffers, comm: Communicator, reduce_dtype: torch.dtype) -> None:
         super().__init__(flat, comm, reduce_dtype)
         self.acc = [
@@ -218,15 +222,23 @@ class PartitionedGrads(GradReducer):
         )
 
     def _accept(self, i: int, offset: int, numel: int, grad: torch.Tensor, first: bool) -> None:
+        if self.comm.trivial:
+            # One rank: the shard is the whole buffer; accumulate into it, no staging, no copy.
+            self.shards[i][offset : offset + numel].add_(grad)
+            return
         self._staging_for(i)[offset : offset + numel].copy_(grad)
 
     def _fill_unwritten(self, i: int) -> None:
+        if self.comm.trivial:
+            return
         buf = self._staging_for(i)
         for slot, written in zip(self.flat.layouts[i].slots, self._written[i], strict=True):
             if not written:
                 buf[slot.offset : slot.offset + slot.numel].zero_()
 
     def _launch(self, i: int) -> None:
+        if self.comm.trivial:
+            return
         staging = self._staging.pop(i)
         if self.world > 1:
             staging.div_(self.world)
