@@ -64,9 +64,8 @@ def matrix(world: int) -> list[OCase]:
         for accum, clip in ((1, 0.0), (4, CLIP))
     ]
     cases += [
-        OCase(3, "bf16", 4, CLIP, device="none", model="wide"),
         OCase(2, "bf16", clip=CLIP, optim="adam_l2"),
-        OCase(2, "fp32", optim="adam_amsgrad", device="nvme"),
+        OCase(2, "fp32", optim="adam_amsgrad", device="nvme", model="wide"),
         OCase(1, "fp32", accum=2, optim="sgd"),
         OCase(2, "bf16", clip=CLIP, device="nvme", model="wide"),
         OCase(1, "fp32", accum=2, device="nvme"),

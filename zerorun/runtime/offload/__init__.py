@@ -43,7 +43,11 @@ def placement_for(settings: Any, device: torch.device) -> ShardPlacement:
     else:
         placement = DevicePlacement(device)
     if opts.param_device != "none":
-        from zerorun.runtime.offload.params import param_store_for
+        from zerorun.runtime.offload.params import DeviceWithParamStore, param_store_for
 
-        placement.param_store = param_store_for(opts, device)  # type: ignore[attr-defined]
+        store = param_store_for(opts, device)
+        if type(placement) is DevicePlacement:
+            placement = DeviceWithParamStore(device, store)
+        else:
+            placement.param_store = store  # type: ignore[attr-defined]
     return placement

@@ -15,13 +15,15 @@ given it as ``dst``). On a CPU training device (tests) ``fetch`` returns the sha
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 
 from zerorun.runtime.offload.host import Copier, host_empty
 from zerorun.runtime.offload.options import OffloadOptions
+from zerorun.runtime.sharded_state import DevicePlacement
 
-__all__ = ["HostParamStore", "param_store_for"]
+__all__ = ["HostParamStore", "DeviceWithParamStore", "param_store_for"]
 
 
 class HostParamStore:
@@ -71,6 +73,14 @@ class HostParamStore:
     def tensors(self) -> list[torch.Tensor]:
         return [] if self._files is not None else list(self._shards.values())
 
+    def add_memory(self, ledger: Any) -> None:
+        """File-backed shards are on NVMe, not in memory (stage 3 reports them as params)."""
+        if self._files is None:
+            return
+        shards = list(self._shards.values())
+        ledger.exclude(shards)
+        ledger.add_bytes("params", "nvme", sum(t.numel() * t.element_size() for t in shards))
+
     def close(self) -> None:
         if self._files is not None:
             self._files.close()
@@ -78,3 +88,17 @@ class HostParamStore:
 
 def param_store_for(opts: OffloadOptions, device: torch.device) -> HostParamStore:
     return HostParamStore(opts, device)
+
+
+class DeviceWithParamStore(DevicePlacement):
+    """Optimizer on the device, parameters offloaded: the default placement plus the store."""
+
+    def __init__(self, device: torch.device, store: HostParamStore) -> None:
+        super().__init__(device)
+        self.param_store = store
+
+    def add_memory(self, ledger: Any) -> None:
+        self.param_store.add_memory(ledger)
+
+    def close(self) -> None:
+        self.param_store.close()

@@ -212,6 +212,9 @@ class HostPlacement(ShardPlacement):
             store.close()
 
     def add_memory(self, ledger: Any) -> None:
+        store = getattr(self, "param_store", None)
+        if store is not None:
+            store.add_memory(ledger)
         ledger.add("grads", self.grads)
         ledger.add("buffers", self.staging)
 
