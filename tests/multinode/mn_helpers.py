@@ -30,7 +30,6 @@ def launcher_env(fab: fabric.Fabric, **extra: str) -> dict[str, str]:
         NCCL_DEBUG="INFO",
         NCCL_SECRET_TOKEN=UNNAMED_SECRET,
         MN_API_TOKEN=NAMED_SECRET,
-        ZERORUN_SSH_HEARTBEAT_TIMEOUT="5",
         COLUMNS="500",  # rich wraps error messages at the terminal width, 80 without a terminal
     )
     env.update(extra)

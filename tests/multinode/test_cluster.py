@@ -162,7 +162,7 @@ def test_link_down_stops_the_job_everywhere(cluster, tmp_path: Path) -> None:  #
     launch = Launch(
         ["--hostfile", hostfile(cluster), "--exclude", "node3", "--num_gpus", "1", *COMMON,
          "--env", "MN_MODE=loop", str(SCRIPT)],
-        env=launcher_env(cluster),
+        env=launcher_env(cluster, ZERORUN_SSH_HEARTBEAT_TIMEOUT="5"),
         cwd=tmp_path,
     )
     try:
@@ -240,6 +240,12 @@ def test_preflight_failures_start_nothing(cluster, tmp_path: Path) -> None:  # t
     cwd = f"/nonexistent dir; touch {tmp_path}/pwned"
     out = launch("node1 slots=1\n", "--remote_cwd", cwd)
     assert f"cannot enter the working directory {cwd}" in out and not (tmp_path / "pwned").exists()
+    # The script is not on the nodes (no shared file system).
+    hf.write_text("node1 slots=1\n")
+    (tmp_path / "relative").mkdir()
+    (tmp_path / "relative" / "train.py").write_text("print('should not run')\n")
+    code, out = run_launcher(["--hostfile", str(hf), *COMMON, "--remote_cwd", "/", "relative/train.py"], env=env, cwd=tmp_path)
+    assert code != 0 and "the script relative/train.py does not exist there (working directory /)" in out, out
     # Master port busy on the (remote) master.
     busy = subprocess.Popen(
         ["ip", "netns", "exec", cluster.nodes[0].netns, sys.executable, "-c",

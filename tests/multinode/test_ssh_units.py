@@ -93,3 +93,6 @@ def test_hello_reports_addresses_and_checks_the_port(monkeypatch: pytest.MonkeyP
     picked = hello({"pick_port": True})
     assert picked["error"] is None and 0 < picked["port"] < 65536
     assert hello({})["port"] is None
+    missing = hello({"script": "no/such/train.py", "check_port": 1})
+    assert "the script no/such/train.py does not exist there" in missing["error"]
+    assert hello({"script": __file__})["error"] is None

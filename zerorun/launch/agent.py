@@ -160,6 +160,13 @@ def hello(msg: dict[str, Any]) -> dict[str, Any]:
         "port": None,
         "error": None,
     }
+    script = msg.get("script")
+    if script and not os.path.isfile(script):
+        info["error"] = (
+            f"the script {script} does not exist there (working directory {os.getcwd()}). Every "
+            "node needs the code at the same path: a shared file system, or copy it first."
+        )
+        return info
     port = msg.get("check_port")
     if msg.get("pick_port"):
         info["port"] = _free_port()

@@ -387,6 +387,7 @@ def preflight(
     master_port: int | None,
     master_addr: str | None = None,
     local_port_check: Callable[[int], str | None] | None = None,
+    script: str | None = None,
 ) -> Preflight:
     """Before any rank starts anywhere: every node reachable and authenticated, the remote
     interpreter runs and imports the same zerorun, the remote cwd exists, the master port is
@@ -395,7 +396,8 @@ def preflight(
 
     `master` is the alias of the master node when it is remote (None: the launcher's machine
     is the master, and `local_port_check` checks the port here). `master_addr` overrides the
-    address the ranks use to reach it.
+    address the ranks use to reach it. `script` (the job's script, if any) must exist on
+    every node, relative to the remote cwd.
     """
     import sys
 
@@ -417,6 +419,7 @@ def preflight(
                 protocol=wire.PROTOCOL_VERSION,
                 check_port=master_port if is_master else None,
                 pick_port=is_master and master_port is None,
+                script=script,
             )
         hellos, errors = _collect_hellos(channels, python, cwd, zerorun.__version__, options.preflight_timeout_s)
         if errors:
@@ -630,6 +633,7 @@ def prepare(plan: Any, options: Any, *, ssh: SshOptions | None = None) -> tuple[
         master=master,
         master_port=options.master_port if master is not None else plan.master_port,
         master_addr=options.master_addr,
+        script=plan.target.script,
     )
     try:
         plan = plan.with_master(pf.master_addr, pf.master_port)

@@ -5,7 +5,8 @@ stdout; the launcher holds the other ends of the SSH channel. Nothing travels on
 line: no quoting problems, nothing readable in `ps`.
 
 launcher -> agent (`t` is the message type):
-- `preflight` {version, check_port: int|null, pick_port: bool}: answered by `hello`.
+- `preflight` {version, protocol, check_port: int|null, pick_port: bool, script: str|null}:
+  answered by `hello` (an `error` when the script is missing there or the port is busy).
 - `plan` {cwd, ranks: [{rank, local_rank, argv, env}], heartbeat_s, heartbeat_timeout_s,
   grace_s, omp_cores_default: bool}: start the node's ranks.
 - `hb` {}: the launcher is alive. No `hb` for `heartbeat_timeout_s` -> the agent kills its ranks.
