@@ -98,7 +98,8 @@ def test_offload_moves_terms_to_the_host():
     assert s3.model_states("gpu") == 0
     assert s3.terms["cpu"]["params"] == 2 * psi / n and s3.terms["cpu"]["grads"] == 4 * psi / n
     assert s3.terms["nvme"]["master"] == 4 * psi / n and s3.terms["nvme"]["optimizer_states"] == 8 * psi / n
-    assert "nvme_optimizer_staging" in s3.buffers["cpu"]
+    # max(2, buffer_count 4) tile buffers of master + states, a tile no larger than the shard
+    assert s3.buffers["cpu"] == {"nvme_optimizer_tiles": 4 * (psi // n) * (4 + 8)}
     # every byte is somewhere: offload moves, never loses
     for est in (s1, s2, s3):
         assert sum(est.model_states(d) for d in ("gpu", "cpu", "nvme")) == pytest.approx(

@@ -17,7 +17,7 @@ runtime's memory ledger (`zerorun/runtime/memory.py`), so measured bytes compare
 Buffers are a separate term and an upper bound of what zerorun's runtime holds besides the
 model states: from stage 2 on, up to three gradient staging buckets (`reduce_bucket_size`
 elements, or the largest layer if larger); at stage 3 the prefetch bucket and the live gathered
-parameters (and one whole layer with `largest_layer`); NVMe staging buffers on the host.
+parameters (and one whole layer with `largest_layer`); NVMe optimizer tiles on the host.
 Stages 0-1 reduce and gather in place (no buffers). Each is capped at the model's size. Activations are not
 model states and are not estimated. Partitioned terms are exactly Ψ/N; the runtime's padding
 (less than one element per rank and flat buffer) is not included.
@@ -339,11 +339,15 @@ def _buffers(
             # One layer gathered whole, with its full gradient before the reduce-scatter.
             gpu["largest_layer"] = float(largest_layer * (bpe.params + bpe.grads))
     cpu: dict[str, float] = {}
-    if par_dev == "nvme" and zero is not None:
-        cpu["nvme_param_staging"] = float(zero.offload_param.buffer_count * zero.offload_param.buffer_size * bpe.params)
-    if opt_dev == "nvme" and zero is not None:
-        tile = min(_size(zero.sub_group_size, 1_000_000_000), -(-psi // n))
-        cpu["nvme_optimizer_staging"] = float(zero.offload_optimizer.buffer_count * tile * 4)
+    # NVMe optimizer offload steps tile by tile (runtime/offload/nvme.py): max(2, buffer_count)
+    # host buffer sets of master + states for one tile of sub_group_size elements (rounded up
+    # to 1024, no larger than this rank's shard). Parameters on NVMe are memory-mapped files:
+    # no staging buffers.
+    if opt_dev == "nvme":
+        sub_group = _size(zero.sub_group_size if zero else None, 1_000_000_000)
+        tile = min(-(-min(sub_group, 2**30) // 1024) * 1024, -(-psi // n))
+        count = max(2, zero.offload_optimizer.buffer_count if zero else 4)
+        cpu["nvme_optimizer_tiles"] = float(count * tile * (bpe.master + bpe.optimizer_states))
     return {"gpu": gpu, "cpu": cpu, "nvme": {}}
 
 

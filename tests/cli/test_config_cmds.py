@@ -65,7 +65,8 @@ def test_print_config_article_config(capsys):
     assert "to be filled by the training script / integration" in text
     assert "world size: 2 per node × 1 node(s) = 2" in text
     assert "memory of model states" in text and "activations not included" in text
-    assert "valid: 2 warnings, 0 notices" in text
+    assert "allgather_bucket_size (line 14) = 200000000: no effect" in text
+    assert "valid: 2 warnings, 1 notice" in text
 
 
 def test_print_config_batch_arithmetic_and_spellings(tmp_path, capsys):

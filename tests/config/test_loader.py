@@ -345,6 +345,29 @@ def test_notices_for_keys_zerorun_does_not_act_on():
     assert loaded.warnings == []
 
 
+def test_keys_zerorun_handles_its_own_way_are_noticed_only_when_they_differ():
+    same = load_config(
+        {"zero_optimization": {"stage": 2, "overlap_comm": True, "reduce_scatter": True, "contiguous_gradients": True}}
+    )
+    assert same.notices == []
+    loaded = load_config(
+        {
+            "zero_optimization": {
+                "stage": 2,
+                "overlap_comm": False,
+                "reduce_scatter": False,
+                "allgather_bucket_size": 2e8,
+                "allgather_partitions": False,
+            }
+        }
+    )
+    text = "\n".join(loaded.notices)
+    assert "zero_optimization.overlap_comm = false: no effect; zerorun always overlaps" in text
+    assert "zero_optimization.reduce_scatter = false: no effect; zerorun always reduce-scatters" in text
+    assert "zero_optimization.allgather_bucket_size = 200000000: no effect; zerorun gathers" in text
+    assert "allgather_partitions = false" in text
+
+
 def test_defaults_follow_deepspeed():
     c = load_config({}).config
     z = c.zero_optimization
@@ -352,7 +375,7 @@ def test_defaults_follow_deepspeed():
     assert (z.stage3_prefetch_bucket_size, z.stage3_param_persistence_threshold) == (5 * 10**7, 10**5)
     assert (z.stage3_max_live_parameters, z.stage3_max_reuse_distance) == (10**9, 10**9)
     assert z.contiguous_gradients and z.reduce_scatter and z.allgather_partitions
-    assert z.overlap_comm is False and load_config({"zero_optimization": {"stage": 3}}).config.zero_optimization.overlap_comm
+    assert z.overlap_comm is True  # what zerorun does at every stage (DeepSpeed: stage 3 only)
     assert (z.offload_param.device, z.offload_param.buffer_count, z.offload_param.buffer_size) == ("none", 5, 10**8)
     assert (z.offload_optimizer.device, z.offload_optimizer.buffer_count, z.offload_optimizer.pin_memory) == ("none", 4, False)
     f = c.fp16

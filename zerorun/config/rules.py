@@ -81,9 +81,16 @@ def _notices(raw: RawConfig, config: ZerorunConfig) -> list[str]:
     for path, holder, name in set_keys(config):
         if path == ("amp",) or len(path) > 1 and path[0] in _ACCEPTED_SECTIONS:
             continue  # amp gets a warning of its own; keys inside an accepted section: one notice per section
-        if _extra(type(holder), name).get("acted_on", True):
+        extra = _extra(type(holder), name)
+        if extra.get("acted_on", True):
             continue
         value = getattr(holder, name)
+        if "fixed" in extra:
+            same = value == extra["fixed_value"] if "fixed_value" in extra else _is_default(holder, name)
+            if not same:
+                text = f"{raw.where(path)} = {_show(value)}: no effect; {extra['fixed']}"
+                notices.append((raw.locations.get(path, (10**9, 0)), text))
+            continue
         if _is_default(holder, name) or value is None or _section_is_off(value):
             continue
         if isinstance(value, BaseModel | dict):

@@ -141,30 +141,38 @@ def plain_numbers(value: Any) -> Any:
     return value
 
 
+_UNSET: Any = object()
+
+
 def meta(
     description: str,
     *,
     stages: tuple[int, ...] | None = None,
     acted_on: bool = True,
-    ds_default: str | None = None,
+    fixed: str | None = None,
+    fixed_value: Any = _UNSET,
 ) -> dict[str, Any]:
     """Schema metadata for one key, read by the cross-field rules and the reference generator.
 
     `stages`: the ZeRO stages the key has an effect at (None: all). A key set explicitly at
     another stage gets a warning. `acted_on=False`: a DeepSpeed key zerorun accepts but does
-    not implement; setting it to a non-default value gives a notice.
+    not implement; setting it to a non-default value gives a notice. `fixed`: what zerorun
+    always does instead (implies acted_on=False); with `fixed_value`, only a value other than
+    that one gives the notice (`overlap_comm: true` is what zerorun does anyway).
     """
-    extra: dict[str, Any] = {"acted_on": acted_on}
+    extra: dict[str, Any] = {"acted_on": acted_on and fixed is None}
     if stages is not None:
         extra["stages"] = list(stages)
-    if ds_default is not None:
-        extra["ds_default"] = ds_default
+    if fixed is not None:
+        extra["fixed"] = fixed
+        if fixed_value is not _UNSET:
+            extra["fixed_value"] = fixed_value
     return {"description": description, "json_schema_extra": extra}
 
 
 def field(default: Any = ..., description: str = "", **kwargs: Any) -> Any:
     """`pydantic.Field` with `meta(...)`: `field(5, "what it does", stages=(3,), ge=0)`."""
-    meta_kwargs = {k: kwargs.pop(k) for k in ("stages", "acted_on", "ds_default") if k in kwargs}
+    meta_kwargs = {k: kwargs.pop(k) for k in ("stages", "acted_on", "fixed", "fixed_value") if k in kwargs}
     if "default_factory" in kwargs:
         return Field(**meta(description, **meta_kwargs), **kwargs)
     return Field(default, **meta(description, **meta_kwargs), **kwargs)

@@ -30,15 +30,22 @@ def _free_form(value: Any) -> Any:
     return plain_numbers(value)
 
 
+# What zerorun's runtime does instead of the DeepSpeed knobs it has no use for.
+_PARAM_NVME = "zerorun maps each parameter shard's NVMe file into memory: no staging buffers to size"
+_OVERLAP = "zerorun always overlaps gradient reduction with the backward pass"
+
+
 class OffloadParam(Section):
     """`zero_optimization.offload_param`: where the 16-bit parameter shards live (stage 3)."""
 
     device: OffloadDevice = field("none", "Where parameter shards live: `none` (GPU), `cpu` or `nvme`.")
     nvme_path: str | None = field(None, "Directory on a fast local disk for `device: nvme`.")
     pin_memory: Flag = field(False, "Keep the CPU copies in page-locked memory (faster copies, counts against `ulimit -l`).")
-    buffer_count: Count = field(5, "Number of staging buffers for NVMe parameter swapping.", ge=0)
-    buffer_size: Count = field(100_000_000, "Elements per NVMe parameter staging buffer.", ge=0)
-    max_in_cpu: Count = field(1_000_000_000, "Parameter elements kept in CPU memory when offloading to NVMe.", ge=0)
+    buffer_count: Count = field(5, "Number of staging buffers for NVMe parameter swapping.", ge=0, fixed=_PARAM_NVME)
+    buffer_size: Count = field(100_000_000, "Elements per NVMe parameter staging buffer.", ge=0, fixed=_PARAM_NVME)
+    max_in_cpu: Count = field(
+        1_000_000_000, "Parameter elements kept in CPU memory when offloading to NVMe.", ge=0, fixed=_PARAM_NVME
+    )
 
 
 class OffloadOptimizer(Section):
@@ -68,20 +75,38 @@ class ZeroOptimization(Section):
     )
     overlap_comm: Flag | None = field(
         None,
-        "Overlap gradient reduction with the backward pass. Unset: true at stage 3, false otherwise (DeepSpeed's rule).",
+        "Overlap gradient reduction with the backward pass (DeepSpeed's default: true at stage 3 only).",
+        fixed=_OVERLAP,
+        fixed_value=True,
     )
     contiguous_gradients: Flag = field(
-        True, "Copy gradients into one contiguous buffer as they are produced (less fragmentation).", stages=(2, 3)
+        True,
+        "Copy gradients into one contiguous buffer as they are produced (less fragmentation).",
+        stages=(2, 3),
+        fixed="zerorun always keeps gradients in contiguous flat buffers",
+        fixed_value=True,
     )
     reduce_scatter: Flag = field(
-        True, "Average gradients with reduce-scatter (each rank gets its slice) instead of all-reduce.", stages=(1, 2)
+        True,
+        "Average gradients with reduce-scatter (each rank gets its slice) instead of all-reduce.",
+        stages=(1, 2),
+        fixed="zerorun always reduce-scatters partitioned gradients",
+        fixed_value=True,
     )
     reduce_bucket_size: SizeCount | Auto = field(500_000_000, "Elements reduced at a time: the size of a gradient bucket.")
     allgather_partitions: Flag = field(
-        True, "Gather updated parameters with all-gather (true) or a series of broadcasts (false) after the step.", stages=(1, 2)
+        True,
+        "Gather updated parameters with all-gather (true) or a series of broadcasts (false) after the step.",
+        stages=(1, 2),
+        fixed="zerorun always all-gathers the updated parameters",
+        fixed_value=True,
     )
     allgather_bucket_size: Count = field(
-        500_000_000, "Elements all-gathered at a time after the optimizer step.", stages=(1, 2), ge=0
+        500_000_000,
+        "Elements all-gathered at a time after the optimizer step.",
+        stages=(1, 2),
+        ge=0,
+        fixed="zerorun gathers the updated parameters in place, into their flat buffers: no bucket to size",
     )
     sub_group_size: Count = field(
         1_000_000_000,
@@ -178,8 +203,9 @@ class ZeroOptimization(Section):
 
     @model_validator(mode="after")
     def _dynamic_defaults(self) -> ZeroOptimization:
-        # DeepSpeed's rule: overlap_comm defaults to true at stage 3 only. Written to __dict__
-        # so it does not count as set by the user (round trips keep the user's values only).
+        # Unset, overlap_comm is what zerorun does: it always overlaps (DeepSpeed would only at
+        # stage 3). Written to __dict__ so it does not count as set by the user (round trips
+        # keep the user's values only).
         if self.overlap_comm is None:
-            self.__dict__["overlap_comm"] = self.stage == 3
+            self.__dict__["overlap_comm"] = True
         return self
