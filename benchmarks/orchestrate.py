@@ -28,8 +28,9 @@ __all__ = ["LaunchSpec", "launch_command", "run_launch", "LaunchOutcome", "finis
 @dataclass(frozen=True)
 class LaunchSpec:
     launcher: str  # "none" (one process), "torchrun" or "zerorun"
-    nproc: int
+    nproc: int  # ranks
     ranks_per_gpu: int = 1
+    device: str = "auto"  # the worker's --device; the zerorun launcher is told "cpu" too
 
 
 def free_port() -> int:
@@ -61,8 +62,11 @@ def launch_command(spec: LaunchSpec, script: str, args: list[str]) -> tuple[list
             raise ValueError(
                 f"--nproc {spec.nproc} is not a multiple of --ranks-per-gpu {spec.ranks_per_gpu}"
             )
-        cmd = [py, "-m", "zerorun", "--num_gpus", str(spec.nproc // spec.ranks_per_gpu)]
-        if spec.ranks_per_gpu > 1:
+        # zerorun's --num_gpus counts ranks; with --ranks_per_gpu K they share nproc/K GPUs.
+        cmd = [py, "-m", "zerorun", "--num_gpus", str(spec.nproc)]
+        if spec.device == "cpu":
+            cmd += ["--device", "cpu"]  # CPU ranks share nothing: no --ranks_per_gpu there
+        elif spec.ranks_per_gpu > 1:
             cmd += ["--ranks_per_gpu", str(spec.ranks_per_gpu)]
         return [*cmd, script, *args], {}
     raise ValueError(f"unknown launcher {spec.launcher!r}: use none, torchrun or zerorun")
@@ -156,7 +160,9 @@ def finish_record(
         if outcome.timed_out:
             record.update(status="timeout", error=f"no result within the {timeout_s:.0f} s deadline; killed")
         else:
-            record.update(status="crashed", error=f"no result: {_describe_exit(outcome.returncode)}")
+            code = outcome.returncode
+            status = "crashed" if code is not None and code < 0 else "failed"
+            record.update(status=status, error=f"no result: {_describe_exit(code)}")
     elif record.get("status") == "ok" and outcome.timed_out:
         # The result was written, then teardown hung: keep the numbers, say so.
         record["note"] = "process group teardown hit the deadline after the result was written"

@@ -236,14 +236,20 @@ def _memory_section(recs: Sequence[dict[str, Any]]) -> list[str]:
         " reports] widened by 5 %: the reported buffers are their peak, alive or not at that point.",
         "",
         "| configuration | status | ranks (per GPU) | measured by | formula MiB | + buffers MiB"
-        " | measured MiB (min–max) | vs formula | outside band | within 5 % |",
-        "|---|---|---:|---|---:|---:|---:|---:|---:|---|",
+        " | measured MiB (min–max) | vs formula | outside band | within 5 % | host: formula / census MiB |",
+        "|---|---|---:|---|---:|---:|---:|---:|---:|---|---:|",
     ]
     for r in recs:
         if r.get("status") != "ok":
-            out.append(f"| {_label(r)} | {r.get('status')} |" + " – |" * 8)
+            out.append(f"| {_label(r)} | {r.get('status')} |" + " – |" * 9)
             continue
         check = (r.get("checks") or {}).get(str(r.get("checked_point")), {})
+        host = r.get("host_census_at_check") or []
+        host_txt = (
+            f"{_f(r.get('host_formula_bytes'), ',.1f', mib)} / {max(host) / mib:,.1f}"
+            if host and r.get("measured_by") == "cuda_allocator"
+            else "–"
+        )
         measured = check.get("measured_per_rank") or []
         rng = f"{min(measured) / mib:,.1f}–{max(measured) / mib:,.1f}" if measured else "–"
         vs = check.get("deviation_from_formula_per_rank") or []
@@ -252,9 +258,9 @@ def _memory_section(recs: Sequence[dict[str, Any]]) -> list[str]:
         ok = r.get("within_tolerance")
         out.append(
             f"| {_label(r)} | ok | {r.get('world_size')} ({r.get('ranks_per_gpu')}) | {r.get('measured_by', '–')} | "
-            f"{_f(r['formula_bytes']['gpu']['total'], ',.1f', mib)} | {_f(r.get('buffer_allowance_bytes'), ',.1f', mib)} | "
+            f"{_f(r.get('device_formula_bytes', r['formula_bytes']['gpu']['total']), ',.1f', mib)} | {_f(r.get('buffer_allowance_bytes'), ',.1f', mib)} | "
             f"{rng} | {vs_txt} | {_f(dev, '.1%') if dev is not None else '–'} | "
-            f"{'–' if ok is None else ('✓' if ok else '✗')} |"
+            f"{'–' if ok is None else ('✓' if ok else '✗')} | {host_txt} |"
         )
     return out
 

@@ -181,7 +181,7 @@ def _orchestrate(a: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="zr-bench-") as tmp:
         for bench, repeat in plan:
             nproc = 1 if bench.single_process else a.nproc
-            spec = LaunchSpec(launcher if nproc > 1 else "none", nproc, a.ranks_per_gpu or 1)
+            spec = LaunchSpec(launcher if nproc > 1 else "none", nproc, a.ranks_per_gpu or 1, a.device)
             base = {
                 "run_id": run_id,
                 "config": bench.name,

@@ -213,11 +213,13 @@ def _memory(args: WorkerArgs, bench: BenchConfig, ctx: RankContext, record: dict
     on_cuda = ctx.device.type == "cuda"
     points: dict[str, int | None] = {}
     census: dict[str, int] = {}
+    host_census: dict[str, int] = {}  # CPU tensors (offloaded states live there)
 
     def mark(name: str) -> None:
         synchronize(ctx.device)
         census[name] = live_tensor_bytes(ctx.device)
         points[name] = device_memory(ctx.device)["allocated"] if on_cuda else census[name]
+        host_census[name] = live_tensor_bytes(torch.device("cpu")) if on_cuda else census[name]
 
     model = build_model(cfg, ctx.device, args.seed)
     psi = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -240,6 +242,7 @@ def _memory(args: WorkerArgs, bench: BenchConfig, ctx: RankContext, record: dict
     mine = {
         "points": points,
         "census": census,
+        "host_census": host_census,
         "host_rss_peak_bytes": host_rss_peak_bytes(),
         "engine_memory": report,
         "peak_allocated": device_memory(ctx.device)["peak_allocated"],
@@ -259,6 +262,8 @@ def _memory(args: WorkerArgs, bench: BenchConfig, ctx: RankContext, record: dict
     reported = memory_model.reported_buffer_bytes(report, ctx.device.type)
     # No report (older runtime): allow the buffers the config sizes instead.
     buffers = reported if reported is not None else memory_model.config_buffer_bytes(ds_config)["total"]
+    # On CPU the "device" is the host: offloaded terms stay in what is measured.
+    device_formula = formula["gpu"]["total"] + (0.0 if on_cuda else formula["host"]["total"])
     last = n_steps - 1
     checked = f"after_backward_{last}"
     checks = {}
@@ -268,7 +273,10 @@ def _memory(args: WorkerArgs, bench: BenchConfig, ctx: RankContext, record: dict
     for point in (checked, f"after_step_{last}"):
         measured = [r["points"][point] for r in ranks]
         if all(m is not None for m in measured):
-            checks[point] = memory_model.band_check(measured, formula["gpu"]["total"], buffers, 0.05)
+            checks[point] = memory_model.band_check(measured, device_formula, buffers, 0.05)
+    # Offloaded terms on the host: Python-visible CPU tensors against the formula's host terms
+    # (a census, so pinned staging buffers held in C++ would not show); recorded, not checked.
+    host_at_check = [r["host_census"][checked] for r in ranks]
     record.update(
         n_params=psi,
         losses=[float(v) for v in torch.stack(losses).float().cpu().tolist()],
@@ -283,6 +291,10 @@ def _memory(args: WorkerArgs, bench: BenchConfig, ctx: RankContext, record: dict
         within_tolerance=checks[checked]["within"] if checked in checks else None,
         per_rank_points=[r["points"] for r in ranks],
         per_rank_census=[r["census"] for r in ranks],
+        per_rank_host_census=[r["host_census"] for r in ranks],
+        device_formula_bytes=device_formula,
+        host_formula_bytes=formula["host"]["total"],
+        host_census_at_check=host_at_check,
         per_rank_peak_allocated=[r["peak_allocated"] for r in ranks],
         host_rss_peak_bytes=max(r["host_rss_peak_bytes"] for r in ranks),
         per_rank_engine_memory=[r["engine_memory"] for r in ranks],
