@@ -37,7 +37,8 @@ key for). Validate a file with `zerorun print-config FILE`.
 
 * **Unknown keys are errors** at every level, with the key's line and a did-you-mean.
 * **acts on**: *yes* = zerorun implements the key; *accepted* = a DeepSpeed key zerorun accepts
-  but does not act on (a non-default value is reported as a notice, never silently ignored).
+  but does not act on (a non-default value is reported as a notice, never silently ignored);
+  *fixed* = zerorun always behaves one way (said in the meaning; another value gives a notice).
 * **stages**: the ZeRO stages where the key has an effect; set at another stage it produces a
   warning (DeepSpeed ignores it too).
 * **Numbers**: `5e8` is accepted for whole-number keys in JSON (where it is a float) and in YAML
@@ -95,10 +96,14 @@ def _section(
             rows.append(f"| `{key}` | section | {_default_text(model, name)} | {stages} | "
                         f"{'yes' if key_acted else 'accepted'} | {_cell(info.description or '')} (see below) |")  # fmt: skip
             continue
+        acts = "yes" if key_acted else "accepted"
+        meaning = info.description or ""
+        if "fixed" in extra:
+            acts = "fixed"
+            meaning += f" **zerorun:** {extra['fixed']}."
         rows.append(
             f"| `{key}` | {_cell(describe_type(info.annotation) + _constraints(info))} | {_default_text(model, name)} | "
-            f"{_stages(extra, prefix, inherited)} | "
-            f"{'yes' if key_acted else 'accepted'} | {_cell(info.description or '')} |"
+            f"{_stages(extra, prefix, inherited)} | {acts} | {_cell(meaning)} |"
         )
     out.append(f"\n## {title}\n")
     if doc:
