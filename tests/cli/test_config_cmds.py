@@ -97,6 +97,12 @@ def test_print_config_batch_arithmetic_and_spellings(tmp_path, capsys):
     r.write_text("train_micro_batch_size_per_gpu: 1\nlauncher: {hostfile: hosts, num_nodes: 2}\n")
     code, out, err = run(config_cmds.app, [str(r)], capsys)
     assert code == 0 and "train = micro 1 × 1 × world size 4 = 4" in flat(out), out + err
+    code, out, err = run(config_cmds.app, [str(r), "--num_gpus", "1"], capsys)  # first slot of each of 2 hosts
+    assert code == 0 and "world size 2 = 2" in flat(out), out + err
+    r.write_text("train_micro_batch_size_per_gpu: 1\nlauncher: {hostfile: elsewhere, num_gpus: 4}\n")
+    code, out, err = run(config_cmds.app, [str(r)], capsys)  # validated away from the cluster
+    assert code == 0 and "is not on this machine" in out and "world size 4 = 4" in flat(out), out + err
+    r.write_text("train_micro_batch_size_per_gpu: 1\nlauncher: {hostfile: hosts, num_nodes: 2}\n")
     (tmp_path / "sub" / "hosts").write_text("a slots=x\n")
     code, out, err = run(config_cmds.app, [str(r)], capsys)
     assert code == 1 and "hosts" in err and "Traceback" not in err

@@ -62,30 +62,41 @@ def world_size_from_options(
         if num_gpus is not None or num_nodes is not None or hostfile is not None:
             raise typer.BadParameter("give either --world-size or --num_gpus/--num_nodes/--hostfile, not both")
         return world_size, f"--world-size {world_size}"
+    from_config = False
     if launcher is not None:
         num_gpus = num_gpus if num_gpus is not None else launcher.num_gpus
         num_nodes = num_nodes if num_nodes is not None else launcher.num_nodes
-        if hostfile is None and launcher.hostfile and num_gpus is None:
-            hostfile = Path(launcher.hostfile)
+        if hostfile is None and launcher.hostfile:
+            hostfile, from_config = Path(launcher.hostfile).expanduser(), True
             if config_dir is not None and not hostfile.is_absolute():
                 hostfile = config_dir / hostfile
+    note = ""
+    if hostfile is not None and from_config and not hostfile.exists():
+        # Configs are often checked away from the cluster: fall back to the numbers alone.
+        note = f" (launcher.hostfile {hostfile} is not on this machine)"
+        hostfile = None
     if hostfile is not None:
+        # As the launcher does: the hostfile's hosts, narrowed by include/exclude, the first
+        # num_nodes of them and the first num_gpus slots of each.
         from zerorun.launch.hosts import parse_hostfile, select_hosts
 
         pool = parse_hostfile(hostfile)
-        include = getattr(launcher, "include", None)
-        exclude = getattr(launcher, "exclude", None)
         hosts = select_hosts(
-            pool, include=include, exclude=exclude, num_nodes=num_nodes, num_gpus=num_gpus, source=str(hostfile)
+            pool,
+            include=getattr(launcher, "include", None),
+            exclude=getattr(launcher, "exclude", None),
+            num_nodes=num_nodes,
+            num_gpus=num_gpus,
+            source=str(hostfile),
         )
         total = sum(h.num_slots for h in hosts)
         return total, f"{len(hosts)} host(s) × slots from {hostfile} = {total}"
     if num_gpus is not None:
         nodes = num_nodes or 1
-        return num_gpus * nodes, f"{num_gpus} per node × {nodes} node(s) = {num_gpus * nodes}"
+        return num_gpus * nodes, f"{num_gpus} per node × {nodes} node(s) = {num_gpus * nodes}{note}"
     if num_nodes is not None:
         raise typer.BadParameter("--num_nodes needs --num_gpus (ranks per node) or --hostfile")
-    return None, "unknown (give --world-size, --num_gpus or --hostfile)"
+    return None, f"unknown (give --world-size, --num_gpus or --hostfile){note}"
 
 
 # -- the resolved config, flattened -----------------------------------------------------------
