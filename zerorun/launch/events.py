@@ -46,6 +46,16 @@ _resolved = False  # the environment has been looked at (connect() or the first 
 _provider: Callable[[], Mapping[str, Any]] | None = None
 
 
+def _after_fork_in_child() -> None:
+    # A fork while another thread (the shim's memory reporter) held the lock would leave the
+    # child's copy locked forever; a DataLoader worker that emits must not hang.
+    global _lock
+    _lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def connect(fd: int | None = None) -> bool:
     """Use `fd` (default: `$ZERORUN_EVENT_FD`) as the event channel; True when connected.
 
