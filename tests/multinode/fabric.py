@@ -242,6 +242,7 @@ def _build(fabric: Fabric, num_nodes: int) -> None:
             "\n".join(
                 [
                     f"ListenAddress {node.addr}",
+                    "ListenAddress 127.0.0.1",  # the node's own loopback (ProxyJump test)
                     "Port 22",
                     f"HostKey {key}",
                     f"AuthorizedKeysFile {authorized}",

@@ -283,6 +283,24 @@ def test_host_keys_accept_new_and_changed(cluster, tmp_path: Path) -> None:  # t
     assert "Traceback" not in out
 
 
+def test_proxy_jump(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """ProxyJump in ~/.ssh/config: `inside-node1` is 127.0.0.1 *as seen from node1*, reachable
+    only through node1 (the launcher's own loopback has no sshd); both hops' keys are checked."""
+    home = tmp_path / "home"
+    shutil.copytree(cluster.home, home)
+    node1 = cluster.nodes[0]
+    with (home / ".ssh" / "config").open("a") as fh:
+        fh.write(f"Host inside-node1\n    HostName 127.0.0.1\n    User root\n    ProxyJump node1\n"
+                 f"    IdentityFile {home / '.ssh' / 'id_ed25519'}\n")
+    with (home / ".ssh" / "known_hosts").open("a") as fh:
+        fh.write(f"127.0.0.1 {node1.host_key_pub}\n")
+    hf = tmp_path / "hosts"
+    hf.write_text("inside-node1 slots=1\n")
+    code, out = run_launcher(["--hostfile", str(hf), *COMMON, str(HELLO), "x"], env=launcher_env(cluster, HOME=str(home)),
+                             cwd=tmp_path)
+    assert code == 0 and "[inside-node1:0] HELLO rank=0 node_rank=0" in out and "argv=['x']" in out, out
+
+
 def test_bad_hostfiles_and_hostile_hosts_via_cli(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     pwned = tmp_path / "pwned"
     env = launcher_env(cluster)

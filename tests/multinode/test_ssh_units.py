@@ -30,6 +30,9 @@ def test_ssh_config_is_honoured(tmp_path: Path) -> None:
     assert t.known_hosts_files == ("/etc/cluster_hosts", str(Path("~/.ssh/kh2").expanduser()))
     assert t.known_hosts_name == "[10.1.2.3]:2222"
     assert t.display == "gpu1 (10.1.2.3:2222)"
+    assert t.proxy_jump == ()
+    cfg.write_text(cfg.read_text().replace("Host *", "Host behind\n  ProxyJump gpu1, bob@bastion:2200\nHost *"))
+    assert resolve_target("behind", SshOptions(ssh_config=str(cfg))).proxy_jump == ("gpu1", "bob@bastion:2200")
     other = resolve_target("plain-host", SshOptions(ssh_config=str(cfg), connect_timeout=1.5))
     assert (other.hostname, other.port, other.user, other.connect_timeout) == ("plain-host", 22, "bob", 1.5)
     assert other.known_hosts_name == "plain-host" and other.display == "plain-host"

@@ -80,6 +80,7 @@ class SshTarget:
     connect_timeout: float
     proxy_command: str | None = None
     known_hosts_files: tuple[str, ...] = ()
+    proxy_jump: tuple[str, ...] = ()  # hops, "[user@]host[:port]", first hop first
 
     @property
     def display(self) -> str:
@@ -93,7 +94,7 @@ class SshTarget:
 
 def resolve_target(alias: str, options: SshOptions) -> SshTarget:
     """Apply ~/.ssh/config (HostName, Port, User, IdentityFile, ConnectTimeout, ProxyCommand,
-    UserKnownHostsFile) the way `ssh ALIAS` would."""
+    ProxyJump, UserKnownHostsFile) the way `ssh ALIAS` would."""
     import paramiko
 
     path = Path(options.ssh_config or "~/.ssh/config").expanduser()
@@ -110,6 +111,8 @@ def resolve_target(alias: str, options: SshOptions) -> SshTarget:
     timeout = options.connect_timeout
     if timeout is None:
         timeout = float(cfg["connecttimeout"]) if "connecttimeout" in cfg else DEFAULT_CONNECT_TIMEOUT_S
+    jump = cfg.get("proxyjump", "")
+    hops = () if jump.lower() in ("", "none") else tuple(h.strip() for h in jump.split(",") if h.strip())
     user_known = cfg.get("userknownhostsfile")
     known = tuple(os.path.expanduser(p) for p in user_known.split()) if user_known else ()
     return SshTarget(
@@ -121,6 +124,7 @@ def resolve_target(alias: str, options: SshOptions) -> SshTarget:
         connect_timeout=timeout,
         proxy_command=cfg.get("proxycommand"),
         known_hosts_files=known,
+        proxy_jump=hops,
     )
 
 
@@ -181,11 +185,83 @@ class _AcceptNewPolicy:
 
 
 def _connect_one(alias: str, options: SshOptions) -> tuple[SshTarget, paramiko.SSHClient]:
+    """Connect to one node, through its ProxyJump hops (each verified like a node) or its
+    ProxyCommand when ~/.ssh/config has one."""
     import paramiko
 
+    _quiet_paramiko()
     target = resolve_target(alias, options)
+    jumps: list[paramiko.SSHClient] = []
+    try:
+        sock: Any = None
+        if target.proxy_jump:
+            route = [_hop_target(h, options) for h in target.proxy_jump] + [target]
+            for hop, nxt in zip(route, route[1:]):  # noqa: B905 - route[1:] is one shorter
+                hop_client = _open(hop, options, sock)
+                jumps.append(hop_client)
+                sock = _tunnel(hop_client, hop, nxt)
+        elif target.proxy_command:
+            sock = paramiko.ProxyCommand(target.proxy_command)
+        client = _open(target, options, sock)
+    except BaseException:
+        for j in reversed(jumps):
+            j.close()
+        raise
+    client._zerorun_jumps = jumps  # type: ignore[attr-defined]  # closed with the client
+    return target, client
+
+
+def _quiet_paramiko() -> None:
+    """paramiko logs failures (e.g. "Secsh channel 0 open FAILED") that we report ourselves,
+    better worded; without a handler Python would print them to stderr."""
+    import logging
+
+    logger = logging.getLogger("paramiko")
+    if not logger.handlers:
+        logger.addHandler(logging.NullHandler())
+
+
+def _hop_target(hop: str, options: SshOptions) -> SshTarget:
+    """`[user@]host[:port]` of a ProxyJump; host may itself be an alias of ~/.ssh/config."""
+    from dataclasses import replace
+
+    user, _, rest = hop.rpartition("@")
+    host, colon, port = rest.partition(":")
+    t = resolve_target(host, options)
+    if colon:
+        try:
+            t = replace(t, port=int(port))
+        except ValueError:
+            raise LaunchError(f"ProxyJump {hop!r} in ssh config: {port!r} is not a port number.") from None
+    return replace(t, user=user) if user else t
+
+
+def _tunnel(via: paramiko.SSHClient, hop: SshTarget, to: SshTarget) -> Any:
+    import paramiko
+
+    transport = via.get_transport()
+    try:
+        assert transport is not None
+        return transport.open_channel("direct-tcpip", (to.hostname, to.port), ("127.0.0.1", 0),
+                                      timeout=to.connect_timeout)
+    except (paramiko.SSHException, OSError, AssertionError) as err:
+        raise LaunchError(
+            f"the jump host {hop.display} cannot reach {to.display}: {err or 'connection refused'}. "
+            "Check ProxyJump and HostName in ~/.ssh/config."
+        ) from None
+
+
+def close_client(client: paramiko.SSHClient) -> None:
+    """Close a node's connection and the jump hosts it went through."""
+    client.close()
+    for j in reversed(getattr(client, "_zerorun_jumps", [])):
+        j.close()
+
+
+def _open(target: SshTarget, options: SshOptions, sock: Any) -> paramiko.SSHClient:
+    import paramiko
+
     client = _client_for(target, options)
-    sock = paramiko.ProxyCommand(target.proxy_command) if target.proxy_command else None
     try:
         client.connect(
             target.hostname,
@@ -224,7 +300,7 @@ def _connect_one(alias: str, options: SshOptions) -> tuple[SshTarget, paramiko.S
     except (OSError, paramiko.SSHException) as err:
         client.close()
         raise LaunchError(f"cannot connect to {target.display}: {err}") from None
-    return target, client
+    return client
 
 
 def connect_nodes(
@@ -245,7 +321,7 @@ def connect_nodes(
                 errors[alias] = f"cannot connect to {alias}: {type(err).__name__}: {err}"
     if errors:
         for _, client in results.values():
-            client.close()
+            close_client(client)
         raise LaunchError(_many("SSH", errors) + " Nothing was started.")
     return results
 
@@ -358,7 +434,7 @@ class NodeChannel:
             self.channel.shutdown_write()
         except Exception:  # noqa: BLE001, S110 - already gone
             pass
-        self.client.close()
+        close_client(self.client)
 
 
 @dataclass
@@ -448,7 +524,7 @@ def preflight(
         for ch in channels.values():
             ch.close()
         for _, client in connections.values():
-            client.close()
+            close_client(client)
         raise
 
 
