@@ -95,6 +95,13 @@ def structure(engine) -> dict:
         "peak_live_numel": st.schedule.peak_live_numel,
         "max_group_numel": max(g.numel for g in part),
         "at_rest_bytes": sum(r.numel() * r.element_size() for g in part for r in g.at_rest),
+        "at_rest_numel": sum(r.numel() for g in part for r in g.at_rest),
+        "partitioned_numel": sum(g.numel for g in part),
+        "rest_is_master": all(
+            r.data_ptr() == st.state.masters[layout.index].data_ptr()
+            for g in part for layout, r in zip(g.layouts, g.at_rest, strict=True)
+        ),
+        "master_bytes_total": sum(m.numel() * m.element_size() for m in st.state.masters),
         "persistent_bytes": sum(
             f.numel() * f.element_size() for g in st.groups if g.persistent for f in g.full
         ),

@@ -19,7 +19,7 @@ from zerorun.runtime.collectives import Communicator
 from zerorun.runtime.flat_params import TrainableParam
 from zerorun.runtime.partition import FlatLayout, ParamSpec, plan_flat_buffers
 from zerorun.runtime.precision import dtype_name
-from zerorun.runtime.sharded_state import ShardedOptimizerState, ShardPlacement
+from zerorun.runtime.sharded_state import DevicePlacement, ShardedOptimizerState, ShardPlacement
 from zerorun.runtime.stage3.groups import plan_groups
 from zerorun.runtime.stage3.hooks import Stage3Hooks
 from zerorun.runtime.stage3.model_io import install_state_dict_hooks
@@ -129,6 +129,13 @@ def build_stage3(
     opts = Stage3Options.from_settings(settings)
     policy = settings.policy
     store: ParamShardStore = getattr(placement, "param_store", None) or DeviceParamStore(device)
+    # Masters and shards both on the device: the fp32 master shard is the at-rest parameter
+    # (the master of an fp32 shard is the shard itself, DevicePlacement.make_master).
+    rest_dtype = (
+        torch.float32
+        if isinstance(placement, DevicePlacement) and isinstance(store, DeviceParamStore)
+        else policy.param_dtype
+    )
     world, rank = comm.world_size, comm.rank
     plans = plan_groups(
         module,
@@ -173,6 +180,7 @@ def build_stage3(
                     store=store,
                     persistent=plan.persistent,
                     fp32_shards=fp32,
+                    rest_dtype=rest_dtype,
                 )
             )
             layouts_all.extend(layouts)

@@ -2,8 +2,12 @@
 
 Tensors of a group (words of partition.py: flat buffer, shard):
 
-* **at-rest shard** -- this rank's shard of each flat buffer, compute dtype, held by the
-  ``ParamShardStore`` (store.py). The optimizer write-back lands here.
+* **at-rest shard** -- this rank's shard of each flat buffer, held by the ``ParamShardStore``
+  (store.py). The optimizer write-back lands here. Its dtype is ``rest_dtype``: the compute
+  dtype, or fp32 when the fp32 master shard itself can be the at-rest parameter (masters and
+  shards both on the device): then no separate 16-bit shard is kept (ZeRO's 16 bytes per
+  parameter / N instead of 18) and the gather casts the shard to the compute dtype on the way
+  (FSDP2's mixed-precision gather).
 * **gather buffer** -- the whole flat buffer, compute dtype, the all-gather's output. Its
   *storage* is allocated when the group is gathered and resized to 0 bytes when it is released;
   the tensor object and the per-parameter views into it live as long as the group, so views the
@@ -54,6 +58,7 @@ class ParamGroup:
         store: ParamShardStore,
         persistent: bool,
         fp32_shards: Sequence[torch.Tensor],
+        rest_dtype: torch.dtype | None = None,
     ) -> None:
         self.index = index
         self.name = name
@@ -68,7 +73,8 @@ class ParamGroup:
         self.persistent = persistent
         self.world = comm.world_size
         self.rank = comm.rank
-        self.resident = persistent or (self.world == 1 and store.resident)
+        self.rest_dtype = param_dtype if (persistent or rest_dtype is None) else rest_dtype
+        self.resident = persistent or (self.world == 1 and store.resident and self.rest_dtype == param_dtype)
         self.numel = sum(layout.padded_numel for layout in self.layouts)
         self.state = RELEASED
         self.holds = 0  # GatheredParameters contexts holding the group gathered
@@ -91,7 +97,7 @@ class ParamGroup:
                 full[start:end].copy_(fp32)
                 rest = full[start:end]
             else:
-                rest = store.allocate(layout.index, layout.shard_numel, param_dtype)
+                rest = store.allocate(layout.index, layout.shard_numel, self.rest_dtype)
                 rest.copy_(fp32)
             self.full.append(full)
             self.at_rest.append(rest)
@@ -127,6 +133,10 @@ class ParamGroup:
             full.untyped_storage().resize_(full.numel() * full.element_size())
             fetched = self.store.fetch(layout.index, rest)
             self._fetched.append(fetched)
+            if fetched.dtype != self.dtype and self.world > 1:
+                # fp32 at rest: cast this rank's shard once; the collective moves 16-bit data.
+                # (With one rank the all-gather is a copy, which casts by itself.)
+                fetched = fetched.to(self.dtype)
             self._pending.append(self.comm.all_gather(full, fetched))
         self.state = GATHERING
         return True

@@ -95,9 +95,14 @@ class Stage3:
 
     # -- memory ---------------------------------------------------------------------------------
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """At-rest shards that are the fp32 masters count as ``master`` only (the ledger counts
+        a storage once, in the first category that names it)."""
+        masters = {m.untyped_storage().data_ptr() for m in self.state.masters}
         params: list[torch.Tensor] = []
         for g in self.groups:
-            params.extend(g.full if g.resident else g.at_rest)
+            for t in g.full if g.resident else g.at_rest:
+                if t.untyped_storage().data_ptr() not in masters or t.dtype == self.groups[0].dtype:
+                    params.append(t)
         return {
             "params": params,
             "grads": [s for g in self.groups for s in g.grad_shards],
