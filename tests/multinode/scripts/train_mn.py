@@ -4,7 +4,7 @@ Reports, on stdout, what the tests check: where it runs, which variables arrived
 the loss, and whether every rank ends with the same weights. Behaviour is chosen through
 variables the test sends with --env (they are not travelling prefixes, so they arrive only
 because the launcher sent them): MN_MARKER (a file created at start: proves a rank started),
-MN_MODE=train|loop|fail, MN_FAIL_RANK, MN_FAIL_CODE.
+MN_MODE=train|zero|loop|fail, MN_FAIL_RANK, MN_FAIL_CODE.
 """
 
 import hashlib
@@ -39,6 +39,29 @@ print(
     flush=True,
 )
 print("ARGV " + repr(sys.argv[1:]), flush=True)
+
+if mode == "zero":
+    # zerorun's own runtime, with the config the launcher validated and sent through
+    # ZERORUN_CONFIG_JSON. Every rank trains on the same batches, so every rank must print
+    # the same losses: proof that the sharded (ZeRO-3) parameters stay consistent across nodes.
+    import zerorun
+
+    print(f"CONFIG_ENV from_config={os.environ.get('MN_FROM_CONFIG')} host_value={os.environ.get('MN_HOST_VALUE')}", flush=True)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+    engine, _, _, _ = zerorun.initialize(model=model, model_parameters=model.parameters())
+    gen = torch.Generator().manual_seed(100)
+    true_w = torch.arange(8, dtype=torch.float32).unsqueeze(1) / 8
+    for step in range(30):
+        x = torch.randn(16, 8, generator=gen)
+        loss = ((engine(x) - x @ true_w) ** 2).mean()
+        engine.backward(loss)
+        engine.step()
+        if step in (0, 29):
+            print(f"ZSTEP {step} loss {loss.item():.6f}", flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.exit(0)
 
 torch.manual_seed(0)
 model = torch.nn.Linear(8, 1)
