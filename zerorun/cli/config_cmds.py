@@ -116,7 +116,8 @@ def _rows(model: BaseModel, prefix: str, show_all: bool, parent_acted: bool = Tr
             rows.extend(sub)
             continue
         default = info.get_default(call_default_factory=True)
-        differs = value != default
+        # Unset keys hold the default (or, like overlap_comm, what zerorun resolves it to).
+        differs = is_set and value != default
         show = show_all or is_set or (acted and prefix != "launcher." and value is not None)
         if show:
             rows.append((key, value, differs, is_set))
