@@ -99,3 +99,28 @@ def test_hello_reports_addresses_and_checks_the_port(monkeypatch: pytest.MonkeyP
     missing = hello({"script": "no/such/train.py", "check_port": 1})
     assert "the script no/such/train.py does not exist there" in missing["error"]
     assert hello({"script": __file__})["error"] is None
+
+
+def test_missing_paramiko_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    from zerorun.launch import ssh
+
+    monkeypatch.setitem(sys.modules, "paramiko", None)  # `import paramiko` raises ImportError
+    hosts = parse_hostfile_text("n1 slots=1\n")
+    opts = LaunchOptions(target=Target(script="x.py"), device="cpu")
+    plan = build_plan(opts, hosts, DeviceInfo(gpus=(), cores=2), master_port=29500, run_id="r")
+    with pytest.raises(LaunchError, match="need paramiko"):
+        ssh.prepare(plan, opts)
+
+
+def test_one_node_runs_never_import_paramiko() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; import zerorun.launch.ssh, zerorun.launch.agent, zerorun.launch.hosts, "
+        "zerorun.launch.environment, zerorun.cli; assert 'paramiko' not in sys.modules; "
+        "assert 'torch' not in sys.modules"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

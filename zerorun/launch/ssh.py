@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import queue
 import shlex
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -475,8 +476,6 @@ def preflight(
     address the ranks use to reach it. `script` (the job's script, if any) must exist on
     every node, relative to the remote cwd.
     """
-    import sys
-
     import zerorun
 
     python = options.remote_python or sys.executable
@@ -701,6 +700,13 @@ def prepare(plan: Any, options: Any, *, ssh: SshOptions | None = None) -> tuple[
     remote = [n for n in plan.nodes if not n.is_local]
     if not remote:
         return plan, [LocalRunner(plan, node) for node in plan.nodes]
+    try:
+        import paramiko  # noqa: F401 - only checking it is there
+    except ImportError:
+        raise LaunchError(
+            "jobs on remote nodes need paramiko, which is not installed in this environment: "
+            f"`{os.path.basename(sys.executable)} -m pip install paramiko` (zerorun's own dependency)."
+        ) from None
     master_node = plan.nodes[0]
     master = None if master_node.is_local else master_node.host.name
     pf = preflight(

@@ -7,12 +7,14 @@ line: no quoting problems, nothing readable in `ps`.
 launcher -> agent (`t` is the message type):
 - `preflight` {version, protocol, check_port: int|null, pick_port: bool, script: str|null}:
   answered by `hello` (an `error` when the script is missing there or the port is busy).
-- `plan` {cwd, ranks: [{rank, local_rank, argv, env}], heartbeat_s, heartbeat_timeout_s,
-  grace_s, omp_cores_default: bool}: start the node's ranks.
-- `hb` {}: the launcher is alive. No `hb` for `heartbeat_timeout_s` -> the agent kills its ranks.
-- `stop` {grace_s}: SIGTERM every rank, SIGKILL after grace.
-- `signal` {sig}: send a signal to every rank's process group (SIGUSR1: stack dumps).
-- EOF on stdin: the launcher is gone -> kill every rank at once.
+- `plan` {plan: the whole LaunchPlan (`plan_to_dict`), node_rank, heartbeat_s,
+  heartbeat_timeout_s}: start this node's ranks (through `launch.local.LocalRunner`).
+- `hb` {}: the launcher is alive. No message for `heartbeat_timeout_s` -> the agent kills its
+  ranks and exits.
+- `signal` {sig, tree}: send a signal to every live rank, its process group when `tree`
+  (SIGTERM/SIGINT of a stop), the rank alone otherwise (SIGUSR1: stack dumps).
+- `kill` {}: SIGKILL every process of the node's ranks (the end of the grace period).
+- EOF on stdin: the launcher is gone or done -> kill every rank at once and exit.
 
 agent -> launcher:
 - `hello` {version, python, hostname, pid, server_addr, client_addr, port, error}:
