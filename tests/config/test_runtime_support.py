@@ -44,6 +44,10 @@ def test_optimizer_and_scheduler_the_runtime_cannot_build_are_errors():
     assert "WarmupDecayLR needs total_num_steps" in _error({"scheduler": {"type": "WarmupDecayLR", "params": {}}})
     msg = _error({"scheduler": {"type": "WarmupLR", "params": {"warmup_max": 1e-3}}})
     assert "Did you mean 'warmup_max_lr'?" in msg
+    msg = _error({"optimizer": {"type": "AdamW", "params": {"lr": -1, "betas": [0.9], "eps": "small"}}})
+    assert "optimizer.params.lr = -1: must be a number ≥ 0" in msg and "must be two numbers in [0, 1)" in msg
+    assert "optimizer.params.eps = 'small'" in msg
+    assert "allowed: 'log', 'linear'" in _error({"scheduler": {"type": "WarmupLR", "params": {"warmup_type": "cos"}}})
     # DeepSpeed's Adam extras and Hugging Face's "auto" values are fine
     ok = {"type": "Adam", "params": {"lr": "auto", "betas": "auto", "adam_w_mode": False, "torch_adam": True}}
     assert load_config({"optimizer": ok}).warnings == []

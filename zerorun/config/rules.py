@@ -146,6 +146,12 @@ def _stage_warnings(raw: RawConfig, config: ZerorunConfig) -> list[str]:
             f"{raw.where(('zero_optimization', 'offload_optimizer', 'device'))} = {opt_dev!r}: optimizer offload "
             "needs zero_optimization.stage 1, 2 or 3 (you have 0); it has no effect here"
         )
+    if config.zerorun.delayed_param_update and (opt_dev == "none" or stage == 0):
+        warnings.append(
+            f"{raw.where(('zerorun', 'delayed_param_update'))}: the delayed parameter update overlaps the CPU "
+            "optimizer step with the next forward/backward, so it needs zero_optimization.offload_optimizer.device "
+            "cpu or nvme at stage 1-3; it has no effect here"
+        )
     return warnings
 
 
@@ -228,6 +234,7 @@ def check_runtime_support(raw: RawConfig, config: ZerorunConfig) -> list[str]:
                         f"{raw.where(('optimizer', 'params', key))}: not a parameter of {name}.{_suggest(key, allowed)} "
                         f"{name} takes: {', '.join(sorted(allowed))}"
                     )
+            errors += _optimizer_values(raw, opt.params)
     sched = config.scheduler
     if sched is not None:
         if sched.type not in SCHEDULER_KWARGS:
@@ -244,9 +251,37 @@ def check_runtime_support(raw: RawConfig, config: ZerorunConfig) -> list[str]:
                         f"{raw.where(('scheduler', 'params', key))}: not a parameter of {sched.type}."
                         f"{_suggest(key, allowed)} {sched.type} takes: {', '.join(sorted(allowed))}"
                     )
+            warmup_type = sched.params.get("warmup_type", "log")
+            if warmup_type not in ("log", "linear", AUTO):
+                errors.append(
+                    f"{raw.where(('scheduler', 'params', 'warmup_type'))} = {warmup_type!r}: allowed: 'log', 'linear'"
+                )
             missing = sorted(SCHEDULER_REQUIRED.get(sched.type, frozenset()) - set(sched.params))
             if missing:
                 errors.append(f"{raw.where(('scheduler', 'params'))}: {sched.type} needs {', '.join(missing)}")
+    return errors
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _optimizer_values(raw: RawConfig, params: dict[str, Any]) -> list[str]:
+    """The values torch's optimizers check in their constructors (lr, eps, betas, ...)."""
+    errors: list[str] = []
+    for key in ("lr", "eps", "weight_decay", "momentum"):
+        value = params.get(key)
+        if value is None or value == AUTO:
+            continue
+        if not _is_number(value) or value < 0:
+            errors.append(f"{raw.where(('optimizer', 'params', key))} = {value!r}: must be a number ≥ 0")
+    betas = params.get("betas")
+    if betas is not None and betas != AUTO:
+        ok = isinstance(betas, list) and len(betas) == 2 and all(_is_number(b) and 0 <= b < 1 for b in betas)
+        if not ok:
+            errors.append(
+                f"{raw.where(('optimizer', 'params', 'betas'))} = {betas!r}: must be two numbers in [0, 1), e.g. [0.9, 0.999]"
+            )
     return errors
 
 
