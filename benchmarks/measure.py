@@ -26,6 +26,7 @@ __all__ = [
     "Trainer",
     "Timing",
     "run_steps",
+    "profile_steps",
     "device_memory",
     "live_tensor_bytes",
     "host_rss_peak_bytes",
@@ -72,6 +73,30 @@ def run_steps(
     # One transfer at the end instead of a .item() per step.
     values = torch.stack([loss.float().reshape(()) for loss in losses]).cpu().tolist()
     return Timing(step_times_s=times, losses=values, loop_wall_s=loop_wall)
+
+
+def profile_steps(
+    trainer: Trainer,
+    batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    device: torch.device,
+    trace_path: str | None = None,
+    row_limit: int = 25,
+) -> str:
+    """Run `batches` under torch.profiler (after the timed loop, so timing is unaffected) and
+    return the top operators by self device time as text; optionally export a Chrome trace
+    (large: keep it off machines that return few, small files)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for x, y in batches:
+            trainer.forward_backward(x, y)
+            trainer.optimizer_step()
+        synchronize(device)
+    if trace_path:
+        prof.export_chrome_trace(trace_path)
+    key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    return prof.key_averages().table(sort_by=key, row_limit=row_limit)
 
 
 def device_memory(device: torch.device) -> dict[str, int | None]:

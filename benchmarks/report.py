@@ -94,6 +94,17 @@ def render_run(records: Sequence[dict[str, Any]], loss_rtol: float = 0.01) -> st
         out += _throughput_section(thr, loss_rtol)
     if mem:
         out += _memory_section(mem)
+    for r in recs:
+        if r.get("profile_top_ops"):
+            out += [
+                "",
+                f"<details><summary>profile of <code>{_label(r)}</code> (rank 0, steps after the timed ones)</summary>",
+                "",
+                "```text",
+                str(r["profile_top_ops"]).rstrip(),
+                "```",
+                "</details>",
+            ]
     failed = [r for r in recs if r.get("status") != "ok"]
     if failed:
         out += ["", "Not measured:", ""]
@@ -191,7 +202,10 @@ def _throughput_section(recs: Sequence[dict[str, Any]], loss_rtol: float) -> lis
         f"Loss check: ✓ = final loss within {loss_rtol:.0%} (relative) of the reference trained on the same"
         f" data ({refs or 'none finished'}); every configuration starts from the same weights and sees the same batches."
     )
-    out += _targets(recs, fsdp, band)
+    if head.get("device") == "cpu":
+        out += ["", "Targets: not evaluated (they are about GPUs)."]
+    else:
+        out += _targets(recs, fsdp, band)
     return out
 
 

@@ -48,6 +48,8 @@ _WORKER_FIELDS = (
     "pg_timeout_s",
     "peak_tflops",
     "zerorun_override",
+    "profile",
+    "profile_dir",
 )
 
 
@@ -107,6 +109,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--pg-timeout-s", type=float, default=300.0, help="process-group timeout inside the ranks")
     p.add_argument("--zerorun-override", default=None, help="JSON merged into every zerorun config")
+    p.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        help="N extra steps under torch.profiler after the timed ones; top ops go in the record",
+    )
+    p.add_argument("--profile-dir", default=None, help="also write rank 0's Chrome trace here (large files)")
     p.add_argument(
         "--no-baseline-repeat", action="store_true", help="run plain once instead of first and last"
     )

@@ -34,6 +34,7 @@ from benchmarks.measure import (
     host_rss_peak_bytes,
     live_tensor_bytes,
     peak_bf16_flops,
+    profile_steps,
     run_steps,
     throughput,
 )
@@ -68,6 +69,8 @@ class WorkerArgs:
     pg_timeout_s: float = 300.0
     peak_tflops: float | None = None
     zerorun_override: str | None = None  # JSON merged into the zerorun config
+    profile: int = 0  # extra steps under torch.profiler after the timed ones (0: none)
+    profile_dir: str | None = None  # where rank 0 writes a Chrome trace (optional)
     repeat: int = 1
 
 
@@ -150,6 +153,15 @@ def _throughput(
     data = gpt_model.SyntheticTokens(cfg, mb, ctx.device, seed=args.seed, rank=ctx.rank)
     batches = [data.batch(i) for i in range(args.warmup + args.steps)]
     timing = run_steps(trainer, batches, args.warmup, ctx.device)
+    profile_table = None
+    if args.profile > 0:
+        n = args.warmup + args.steps
+        trace = None
+        if args.profile_dir and ctx.is_main:
+            Path(args.profile_dir).mkdir(parents=True, exist_ok=True)
+            trace = str(Path(args.profile_dir) / f"{args.run_id}__{bench.name}.trace.json")
+        extra = [data.batch(n + i) for i in range(args.profile)]
+        profile_table = profile_steps(trainer, extra, ctx.device, trace)
     mine = {
         "step_times_s": timing.step_times_s,
         "losses": timing.losses,
@@ -195,6 +207,7 @@ def _throughput(
         per_rank_gpu_memory=[r["gpu_memory"] for r in ranks],
         per_rank_host_rss_peak_bytes=[r["host_rss_peak_bytes"] for r in ranks],
         engine_memory=ranks[0]["engine_memory"],
+        profile_top_ops=profile_table,  # rank 0's; steps after the timed ones, not in the losses
     )
     return record
 
