@@ -79,3 +79,14 @@ def matrix(world: int) -> list[OCase]:
         OCase(2, "fp16", clip=CLIP, steps=4, inject=((1, world - 1),)),
     ]
     return cases
+
+
+def resume_cases(world: int) -> list[OCase]:
+    """Checkpoint save -> load -> continue, with offloaded state (world 2 only)."""
+    if world == 1:
+        return []
+    return [
+        OCase(2, "bf16", device="nvme", model="wide"),
+        OCase(1, "fp32", device="cpu"),
+        OCase(2, "bf16", device="cpu", delayed=True),
+    ]

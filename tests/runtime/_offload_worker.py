@@ -248,6 +248,46 @@ def run_case(case: oc.OCase, rank: int, world: int, nvme_dir: str) -> dict | Non
     }
 
 
+def _train(engine, seed: int, rank: int, steps: range) -> list[float]:
+    losses = []
+    for step in steps:
+        ids, tgt = _models.batch(seed, step, 0, rank, oc.MICRO_BATCH)
+        loss = engine(ids, tgt)
+        losses.append(loss.item())
+        engine.backward(loss)
+        engine.step()
+    return losses
+
+
+def run_resume(case: oc.OCase, rank: int, world: int, nvme_dir: str, ckpt_dir: str) -> dict | None:
+    """Save after 2 steps, keep training 2 more; a fresh engine that loads the checkpoint must
+    train those 2 steps identically (masters, optimizer states -- NVMe files included -- restored
+    through the placement). With the delayed update the save must hold the newest masters
+    (synchronize joined the step in flight): an exact-mode engine loading it has the same masters."""
+    seed = 99
+    cfg = config_for(case, nvme_dir)
+    engine, _, _, _ = zerorun.initialize(model=make_model(case, seed), config=cfg)
+    _train(engine, seed, rank, range(2))
+    engine.save_checkpoint(ckpt_dir, tag=case.name)
+    saved = full_masters(engine)
+    after = _train(engine, seed, rank, range(2, 4))
+    engine.destroy()
+    exact_cfg = dict(cfg, zerorun={"delayed_param_update": False})
+    resumed_engine, _, _, _ = zerorun.initialize(model=make_model(case, seed + 1), config=exact_cfg)
+    resumed_engine.load_checkpoint(ckpt_dir, tag=case.name)
+    loaded = full_masters(resumed_engine)
+    resumed = _train(resumed_engine, seed, rank, range(2, 4))
+    resumed_engine.destroy()
+    out = {
+        "after": after,
+        "resumed": resumed,
+        "loaded_err": max(float((loaded[n] - saved[n]).abs().max()) for n in saved),
+    }
+    gathered = [None] * world
+    dist.all_gather_object(gathered, out)
+    return {"ranks": gathered} if rank == 0 else None
+
+
 def main() -> None:
     out_path, nvme_dir = Path(sys.argv[1]), sys.argv[2]
     only = set(sys.argv[3].split(",")) if len(sys.argv) > 3 and sys.argv[3] else None
@@ -263,6 +303,13 @@ def main() -> None:
         if r is not None:
             r["seconds"] = time.monotonic() - t
             results[case.name] = r
+    ckpt_dir = str(Path(nvme_dir).parent / "ckpt")
+    for case in oc.resume_cases(world):
+        if only and "resume-" + case.name not in only:
+            continue
+        r = run_resume(case, rank, world, nvme_dir, ckpt_dir)
+        if r is not None:
+            results["resume-" + case.name] = r
     if rank == 0:
         results["_total_seconds"] = time.monotonic() - t0
         out_path.write_text(json.dumps(results))

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from ._offload_cases import OCase, matrix
+from ._offload_cases import OCase, matrix, resume_cases
 from ._spawn import spawn_ranks
 
 WORLDS = (1, 2)
@@ -102,10 +102,11 @@ def test_host_memory_is_reported(results, world: int) -> None:  # noqa: ANN001
     """The memory summary shows what offload holds: fp32 masters 4 B and Adam states 8 B per
     shard element on the host ("cpu") or on "nvme", the host gradient copy 4 B/element."""
     checked = 0
+    cases = {c.name: c for c in matrix(world)}
     for name, r in results(world).items():
-        if name.startswith("_"):
+        case = cases.get(name)
+        if case is None:  # "_total_seconds", "resume-..."
             continue
-        case = next(c for c in matrix(world) if c.name == name)
         if case.optim != "adamw" or case.device == "none" or case.stage == 3:
             continue
         for x in r["ranks"]:
@@ -124,3 +125,12 @@ def test_host_memory_is_reported(results, world: int) -> None:  # noqa: ANN001
 @pytest.mark.parametrize("world", WORLDS)
 def test_nvme_files_are_cleaned_up(results, world: int) -> None:  # noqa: ANN001
     assert results(world)["_nvme_left"] == []
+
+
+@pytest.mark.parametrize("case", resume_cases(2), ids=[c.name for c in resume_cases(2)])
+def test_checkpoint_resume_with_offloaded_state(results, case: OCase) -> None:  # noqa: ANN001
+    r = results(2)["resume-" + case.name]
+    for x in r["ranks"]:
+        assert x["loaded_err"] == 0.0, "the checkpoint does not hold the masters the engine had"
+        if not case.delayed:  # the delayed run's next steps use older parameters by design
+            assert x["resumed"] == x["after"], (x["resumed"], x["after"])

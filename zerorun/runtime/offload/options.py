@@ -89,13 +89,8 @@ def options_from_settings(settings: Any) -> OffloadOptions:
                 f"zero_optimization.{key}.device is nvme but {key}.nvme_path is not set: "
                 "give a directory on a fast local disk of every node"
             )
-    delayed = bool(_get(extra, "delayed_param_update", False))
-    if delayed and opt_dev == "none":
-        raise RuntimeConfigError(
-            "zerorun.delayed_param_update overlaps the CPU optimizer step with the next forward/backward, so it "
-            "needs zero_optimization.offload_optimizer.device cpu or nvme (you have none): set one, or remove "
-            "delayed_param_update"
-        )
+    # Without optimizer offload there is no CPU step to delay (the config loader warned).
+    delayed = bool(_get(extra, "delayed_param_update", False)) and opt_dev != "none"
     sub_group = int(_get(zero, "sub_group_size", 1_000_000_000))
     if sub_group < 1:
         raise RuntimeConfigError("zero_optimization.sub_group_size must be at least 1 element")

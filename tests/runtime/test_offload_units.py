@@ -1,0 +1,135 @@
+"""Offload pieces in one process: options, thread sizing, the NVMe file layer (direct I/O and the
+buffered fallback), the tile kernel against torch's optimizer, the config warning."""
+
+from __future__ import annotations
+
+import errno
+import os
+import warnings
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from zerorun.config import load_config
+from zerorun.errors import RuntimeConfigError
+from zerorun.runtime.offload import adam, nvme
+from zerorun.runtime.offload.host import tiles
+from zerorun.runtime.offload.options import cores_per_rank, options_from_settings
+
+
+def _settings(zero: dict, extra: dict | None = None, stage: int | None = None) -> SimpleNamespace:
+    return SimpleNamespace(zero=zero, zerorun=extra or {}, stage=zero.get("stage", 0) if stage is None else stage)
+
+
+def test_options_resolve_deepspeed_and_zerorun_keys() -> None:
+    o = options_from_settings(
+        _settings(
+            {
+                "stage": 2,
+                "sub_group_size": 5000,
+                "offload_optimizer": {"device": "nvme", "nvme_path": "/x", "pin_memory": True, "buffer_count": 6},
+            },
+            {"delayed_param_update": True, "delayed_param_update_warmup": 3, "offload_cpu_threads": 5},
+        )
+    )
+    assert (o.optimizer_device, o.nvme_path, o.pin_memory, o.buffer_count) == ("nvme", "/x", True, 6)
+    assert (o.delayed_update, o.delayed_warmup, o.step_threads(), o.cpu_tile) == (True, 3, 5, 5000)
+    # no effect where the config loader already warned: param offload below stage 3, DPU without a CPU step
+    o = options_from_settings(
+        _settings({"stage": 2, "offload_param": {"device": "cpu"}}, {"delayed_param_update": True})
+    )
+    assert (o.param_device, o.delayed_update) == ("none", False)
+
+
+def test_nvme_without_path_is_a_clear_error() -> None:
+    with pytest.raises(RuntimeConfigError, match="offload_optimizer.nvme_path is not set"):
+        options_from_settings(_settings({"stage": 1, "offload_optimizer": {"device": "nvme"}}))
+
+
+def test_cpu_threads_share_the_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(16)), raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert cores_per_rank() == 4
+    o = options_from_settings(_settings({"stage": 2, "offload_optimizer": {"device": "cpu"}}))
+    assert o.step_threads() == 4
+    o = options_from_settings(
+        _settings({"stage": 2, "offload_optimizer": {"device": "cpu"}}, {"delayed_param_update": True})
+    )
+    assert o.step_threads() == 3  # one core left to the training loop
+
+
+def test_tiles_cover_the_shard() -> None:
+    assert tiles(10, 4) == [(0, 4), (4, 8), (8, 10)]
+    assert tiles(8, 8) == [(0, 8)]
+
+
+def test_delayed_update_without_offload_warns_in_the_config() -> None:
+    loaded = load_config({"train_micro_batch_size_per_gpu": 1, "zerorun": {"delayed_param_update": True}})
+    assert any("delayed_param_update" in w and "offload_optimizer" in w for w in loaded.warnings)
+
+
+@pytest.mark.parametrize("amsgrad", [False, True])
+@pytest.mark.parametrize("cls", [torch.optim.AdamW, torch.optim.Adam])
+def test_tile_kernel_equals_torch_fused_step(cls: type, amsgrad: bool) -> None:
+    """Stepping a master in tiles (state keys and types as torch's) == torch's fused step."""
+    torch.manual_seed(0)
+    p0 = torch.randn(1000)
+    ref = p0.clone().requires_grad_(True)
+    opt_ref = cls([ref], lr=0.01, weight_decay=0.1, amsgrad=amsgrad, fused=True)
+    mine = p0.clone()
+    opt = cls([mine], lr=0.01, weight_decay=0.1, amsgrad=amsgrad)
+    for step in range(3):
+        g = torch.randn(1000, generator=torch.Generator().manual_seed(step))
+        ref.grad = g.clone()
+        opt_ref.step()
+        assert adam.supports_tiles(opt)
+        h = adam.hyper_of(opt, opt.param_groups[0])
+        state = adam.ensure_state(opt, mine, h)
+        state["step"] += 1
+        for a, b in tiles(1000, 96):
+            adam.adam_tile(
+                mine[a:b], g[a:b], state["exp_avg"][a:b], state["exp_avg_sq"][a:b],
+                state["max_exp_avg_sq"][a:b] if amsgrad else None, state["step"], h,
+            )
+    assert torch.equal(mine, ref.detach())
+    assert set(opt.state[mine]) == set(opt_ref.state[ref])
+    assert not adam.supports_tiles(torch.optim.SGD([torch.zeros(1)], lr=0.1))
+
+
+def test_nvme_files_direct_or_buffered(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    """Where O_DIRECT is refused (tmpfs, some container filesystems) the file layer falls back to
+    buffered I/O, says so once, and reads/writes the same bytes; its directory goes on close."""
+    real_open = os.open
+
+    def no_direct(path, flags, *a, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202
+        if flags & getattr(os, "O_DIRECT", 0):
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *a, **kw)
+
+    monkeypatch.setattr(nvme, "_buffered_warned", False)
+    for refuse in (False, True):
+        if refuse:
+            monkeypatch.setattr(os, "open", no_direct)
+        files = nvme.TileFiles(str(tmp_path), rank=3)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            init = torch.arange(3000, dtype=torch.float32)
+            mapped = files.create("0.master", 3000, init=init)
+            files.create("1.master", 10)
+        assert torch.equal(mapped, init)
+        assert files.direct is (not refuse and hasattr(os, "O_DIRECT"))
+        said = [str(w.message) for w in caught if "direct I/O is not supported" in str(w.message)]
+        assert len(said) == (1 if refuse else 0), said  # once, not once per file
+        buf = nvme.aligned_empty(2048)
+        assert buf.data_ptr() % nvme.ALIGN_BYTES == 0
+        files.read("0.master", 1024, buf)  # elements 1024..3071 (the file is padded to 3072)
+        assert torch.equal(buf[: 3000 - 1024], init[1024:])
+        buf.fill_(-1.0)
+        files.write("0.master", 1024, buf[:1024])
+        assert torch.equal(mapped[1024:2048], torch.full((1024,), -1.0))  # the mapping sees it
+        assert torch.equal(mapped[:1024], init[:1024])
+        where = files.dir
+        assert where.parent == tmp_path and where.name.startswith("zerorun-r3-")
+        files.close()
+        assert not where.exists()
