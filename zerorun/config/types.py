@@ -108,12 +108,14 @@ def _to_real(value: Any) -> Any:
 
 def _to_env_value(value: Any) -> Any:
     # Environment values stay text: `NCCL_BUFFSIZE: 5e8` in YAML is the string "5e8", and a
-    # JSON 8 becomes "8". Booleans and null are ambiguous ("true"? "1"?), so they must be quoted.
+    # JSON 8 becomes "8". Booleans become "true"/"false" (`TOKENIZERS_PARALLELISM: false`; YAML's
+    # `no`/`off` too -- quote them to keep that spelling). null is not a value: unset means absent.
     if isinstance(value, YamlNumber):
         return str.__str__(value)
-    if isinstance(value, bool) or value is None:
-        shown = "null" if value is None else str(value).lower()
-        raise ValueError(f"environment values are strings; write {shown!r} in quotes if you mean the text")
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        raise ValueError("environment values are strings; write 'null' in quotes if you mean the text, or remove the key")
     if isinstance(value, int | float):
         return str(value)
     return value
