@@ -214,3 +214,23 @@ def test_closed_console_does_not_stop_the_job(tmp_path: Path) -> None:
         kill_tagged(launch.tag)
         launch.proc.kill()
         launch.proc.wait(timeout=10)
+
+
+def test_deepspeed_style_script_gets_local_rank(tmp_path: Path) -> None:
+    """A script that declares --local_rank (DeepSpeed's launcher always passes it) gets it;
+    `--no_local_rank` turns that off, as in DeepSpeed."""
+    script = tmp_path / "ds_train.py"
+    script.write_text(
+        "import argparse\n"
+        "p = argparse.ArgumentParser()\n"
+        "p.add_argument('--local_rank', type=int, default=-1)\n"
+        "p.add_argument('--deepspeed_config')\n"
+        "a = p.parse_args()\n"
+        "print('local_rank', a.local_rank)\n"
+    )
+    code, out, err, _ = run(["--num_gpus", "2", str(script)])
+    assert code == 0, err
+    assert sorted(out.splitlines()) == ["[0] local_rank 0", "[1] local_rank 1"]
+    code, out, err, _ = run(["--num_gpus", "1", "--no_local_rank", str(script)])
+    assert code == 0, err
+    assert out.strip() == "[0] local_rank -1"

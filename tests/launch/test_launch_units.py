@@ -106,6 +106,20 @@ def test_find_config_argument(tmp_path: Path) -> None:
     assert find_config_argument(["--", "--config", "a.json"]) is None
 
 
+def test_declared_local_rank_arg() -> None:
+    from zerorun.launch.plan import declared_local_rank_arg
+
+    assert declared_local_rank_arg("p.add_argument('--local_rank', type=int, default=-1)") == "--local_rank"
+    assert declared_local_rank_arg('parser.add_argument(\n    "--local-rank", type=int)') == "--local-rank"
+    assert declared_local_rank_arg("p.add_argument('-l', '--local_rank', type=int)") == "--local_rank"
+    assert declared_local_rank_arg("rank = int(os.environ['LOCAL_RANK'])  # --local_rank") is None
+    plan = _plan()
+    from dataclasses import replace
+
+    assert replace(plan, local_rank_arg="--local_rank").rank_argv(plan.ranks[1], "py")[-1] == "--local_rank=1"
+    assert plan.rank_argv(plan.ranks[1], "py") == plan.target.shim_argv("py")
+
+
 def test_options_merge_keeps_the_command_line(tmp_path: Path) -> None:
     opts = LaunchOptions(target=TARGET, num_gpus=2)
     merged = opts.merged({"num_gpus": 8, "master_port": 1234, "hostfile": "hf", "ranks_per_gpu": 2}, base_dir=tmp_path)

@@ -102,6 +102,9 @@ def launch(
     env: Optional[list[str]] = typer.Option(  # noqa: UP045
         None, "--env", metavar="KEY=VAL", help="Set a variable for every rank (repeatable; KEY alone copies it)."
     ),
+    no_local_rank: bool = typer.Option(
+        False, "--no-local-rank", help="Never pass --local_rank=N (passed only to scripts that declare it)."
+    ),
     version: bool = typer.Option(False, "--version", is_eager=True, callback=_version, help="Show the version."),
 ) -> None:
     """Start a job: every rank runs SCRIPT (or -m MODULE) with torchrun's environment."""
@@ -144,6 +147,7 @@ def launch(
         remote_python=remote_python,
         remote_cwd=remote_cwd,
         env=tuple(env or ()),
+        pass_local_rank=not no_local_rank,
     )
     code = _run(options)
     raise typer.Exit(code)
@@ -289,6 +293,7 @@ def _launch(options: LaunchOptions) -> int:
         config_path=config_path,
         config_json=config_json,
         node_env=node_env,
+        local_rank_arg=_local_rank_arg(options),
     )
     rank_filter = plan_mod.parse_rank_filter(options.ranks, plan.world_size)
     if loaded is not None:
@@ -326,6 +331,20 @@ def _launch(options: LaunchOptions) -> int:
         log_dir=options.log_dir,
     )
     return supervisor.run().exit_code
+
+
+def _local_rank_arg(options: LaunchOptions) -> str | None:
+    if not options.pass_local_rank or options.target.script is None:
+        return None
+    from zerorun.launch.plan import declared_local_rank_arg
+
+    path = Path(options.target.script)
+    if path.is_dir():
+        path = path / "__main__.py"
+    try:
+        return declared_local_rank_arg(path.read_text(encoding="utf-8", errors="replace"))
+    except OSError:
+        return None
 
 
 def _check_target(target: Target) -> None:
@@ -431,7 +450,7 @@ def _print_dry_run(plan: Any, redact: Any) -> None:
     out = sys.stdout.write
     out(f"zerorun dry run {plan.run_id}: {plan.world_size} rank(s), {len(plan.nodes)} node(s), "
         f"device {plan.device}, backend {plan.backend}, master {plan.master_addr}:{plan.master_port}\n")
-    out(f"command: {' '.join(plan.target.shim_argv('python'))}\n")
+    out(f"command: {' '.join(plan.rank_argv(plan.ranks[0], 'python'))}\n")
     head = ["rank", "local", "node", "host", "device", "CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS"]
     rows = []
     for spec in plan.ranks:

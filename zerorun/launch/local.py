@@ -83,11 +83,10 @@ class LocalRunner:
 
     def start(self, sink: Sink) -> None:
         self._sink = sink
-        argv = self.plan.target.shim_argv(self.python)
         self._sel.register(self._wake_r, selectors.EVENT_READ, None)
         try:
             for spec in self.node.ranks:
-                self._spawn(spec, argv)
+                self._spawn(spec, self.plan.rank_argv(spec, self.python))
         except BaseException:
             self.kill()
             for r in self._ranks.values():  # reap what did start: no zombies

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shlex
 import sys
 from collections.abc import Mapping, Sequence
@@ -41,6 +42,7 @@ __all__ = [
     "is_python_file",
     "config_json_of",
     "find_config_argument",
+    "declared_local_rank_arg",
 ]
 
 Device = Literal["auto", "cuda", "cpu"]
@@ -98,6 +100,7 @@ class LaunchOptions:
     remote_cwd: str | None = None
     env: tuple[str, ...] = ()  # --env KEY=VAL / KEY, verbatim
     run_id: str | None = None
+    pass_local_rank: bool = True  # to scripts that declare --local_rank (DeepSpeed style)
 
     # Fields the config's `launcher:` section may fill when the command line left them out.
     MERGEABLE = (
@@ -172,10 +175,20 @@ class LaunchPlan:
     cwd: str = field(default_factory=os.getcwd)
     # OMP_NUM_THREADS per node when the user has not set it (None: leave alone).
     omp_threads: Mapping[int, int] = field(default_factory=dict)
+    # DeepSpeed's launcher passes `--local_rank=N` to every script; zerorun does when the
+    # script declares that argument (None: the script does not, as with torchrun scripts).
+    local_rank_arg: str | None = None
 
     @property
     def ranks(self) -> list[RankSpec]:
         return [r for node in self.nodes for r in node.ranks]
+
+    def rank_argv(self, spec: RankSpec, python: str = sys.executable) -> list[str]:
+        """One rank's command line: the shim, the target, and `--local_rank=N` if wanted."""
+        argv = self.target.shim_argv(python)
+        if self.local_rank_arg is not None:
+            argv.append(f"{self.local_rank_arg}={spec.local_rank}")
+        return argv
 
     def with_master(self, addr: str | None = None, port: int | None = None) -> LaunchPlan:
         """Another master address/port (e.g. the address the other nodes can reach)."""
@@ -304,6 +317,7 @@ def build_plan(
     config_json: str | None = None,
     node_env: Mapping[str, Mapping[str, str]] | None = None,
     cwd: str | None = None,
+    local_rank_arg: str | None = None,
 ) -> LaunchPlan:
     """Pure: options + selected hosts (slots already narrowed by include/exclude/num_nodes)
     + this machine's devices -> the plan. Raises LaunchError for impossible requests."""
@@ -357,6 +371,7 @@ def build_plan(
         config_json=config_json,
         cwd=cwd or os.getcwd(),
         omp_threads=omp,
+        local_rank_arg=local_rank_arg,
     )
 
 
@@ -458,3 +473,13 @@ def find_config_argument(args: Sequence[str]) -> tuple[str, str] | None:
         if name in found:
             return name, found[name]
     return None
+
+
+_LOCAL_RANK_DECL = re.compile(r"""add_argument\(\s*(?:['"]-[\w-]*['"]\s*,\s*)?['"](--local[_-]rank)['"]""")
+
+
+def declared_local_rank_arg(source: str) -> str | None:
+    """`--local_rank` (or `--local-rank`) if the script's source declares it with argparse:
+    DeepSpeed-era scripts expect the launcher to pass it, and accept it when passed."""
+    m = _LOCAL_RANK_DECL.search(source)
+    return m.group(1) if m else None
