@@ -239,7 +239,7 @@ def test_unknown_key_reports_its_line(tmp_path):
         ({"train_batch_size": 2.5}, "train_batch_size: expected a whole number, got 2.5"),
         ({"train_batch_size": "big"}, 'expected a whole number ≥ 1, "auto" or null, got \'big\''),
         ({"train_micro_batch_size_per_gpu": True}, "got the boolean true"),
-        ({"fp16": {"enabled": "yes"}}, "fp16.enabled: expected true or false or \"auto\", got 'yes'"),
+        ({"fp16": {"enabled": "yes"}}, "fp16.enabled: expected true/false or \"auto\", got 'yes'"),
         ({"fp16": []}, "fp16: expected a mapping (section), got a list"),
         ({"gradient_clipping": -1}, "gradient_clipping: -1 is out of range; it must be ≥ 0"),
         ({"communication_data_type": "fp8"}, 'communication_data_type: expected "fp32" / "fp16" / "bf16" or null'),

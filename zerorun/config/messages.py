@@ -77,7 +77,7 @@ def describe_type(tp: Any) -> str:
         if member is type(None):
             parts.append("null")
         elif member is bool:
-            parts.append("true or false")
+            parts.append("true/false")
         elif member is int:
             parts.append("a whole number" + bounds)
         elif member is float:
