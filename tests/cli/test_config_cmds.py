@@ -51,9 +51,11 @@ def test_yaml_and_json_templates_say_the_same():
     from zerorun.config import load_config
 
     for stem in ("zero1", "zero2", "zero3", "zero3-offload", "zero3-nvme"):
-        y = load_config(REPO / "templates" / f"{stem}.yaml").config
-        j = load_config(REPO / "templates" / f"{stem}.json").config
+        loaded = load_config(REPO / "templates" / f"{stem}.yaml")
+        y, j = loaded.config, load_config(REPO / "templates" / f"{stem}.json").config
         assert y.to_dict() == j.to_dict(), stem
+        # what the launcher hands to every rank (ZERORUN_CONFIG_JSON) reads back the same
+        assert load_config(json.loads(loaded.to_json())).config == y, stem
 
 
 def test_print_config_article_config(capsys):
