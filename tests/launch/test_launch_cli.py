@@ -49,6 +49,8 @@ def test_script_not_found(job: Path, capsys: pytest.CaptureFixture[str]) -> None
 def test_not_a_python_file(job: Path, capsys: pytest.CaptureFixture[str]) -> None:
     (job.parent / "run.sh").write_text("#!/bin/bash\necho hi\n")
     _bad(["run.sh"], capsys, job, "run.sh is not a Python file")
+    (job.parent / "broken.py").write_text("import os\ndef f(:\n    pass\n")
+    _bad(["broken.py"], capsys, job, "broken.py:2", "invalid syntax", "no rank was started", "def f(:")
     (job.parent / "adir").mkdir()
     _bad(["adir"], capsys, job, "adir is a directory without __main__.py")
 

@@ -372,6 +372,15 @@ def _check_target(target: Target) -> None:
         )
     if not os.access(path, os.R_OK):
         raise LaunchError(f"script {target.script} is not readable (check its permissions).")
+    try:
+        # Compiling costs milliseconds; a syntax error found here starts no rank at all.
+        compile(path.read_bytes(), str(path), "exec", dont_inherit=True)
+    except SyntaxError as err:
+        where = f"{err.filename}:{err.lineno}" + (f":{err.offset}" if err.offset else "")
+        line = f"\n    {err.text.rstrip()}" if err.text else ""
+        raise LaunchError(f"{where}: {err.msg} (the script does not compile; no rank was started){line}") from None
+    except (OSError, ValueError):
+        pass  # unreadable or NUL bytes: let python report it in the rank
 
 
 def _check_module(module: str) -> None:

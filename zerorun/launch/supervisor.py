@@ -446,11 +446,11 @@ class Supervisor:
             self._first_failure = msg.rank
             self._reason = "rank_failed"
             self._exit_code = exit_code_for(msg.returncode)
-            self._message = f"rank {_where(state.spec)} failed first; the other ranks were stopped"
-            self.console.note(
-                f"rank {_where(state.spec)} failed ({describe_exit(msg.returncode)}); stopping the other ranks",
-                level="error",
+            self._message = f"rank {_where(state.spec)} failed" + (
+                " first; the other ranks were stopped" if len(self.states) > 1 else ""
             )
+            others = "; stopping the other ranks" if len(self.states) > 1 else ""
+            self.console.note(f"rank {_where(state.spec)} failed ({describe_exit(msg.returncode)}){others}", level="error")
             self._begin_stop(signal.SIGTERM)
 
     def _on_node_lost(self, msg: NodeLost) -> None:
