@@ -86,6 +86,19 @@ def test_consolidated_torch_shards_and_bf16(tmp_path):
         [str(tmp_path / "ckpt"), str(out), "--format", "torch", "--dtype", "bf16", "--max_shard_size", "300B", "--tag", "global_step3"],
     )
     assert res.exit_code == 0, res.output
+    # a second export into the same directory: refused (old shards would mislead loaders) ...
+    again = CliRunner().invoke(app, [str(tmp_path / "ckpt"), str(out), "--dtype", "auto"])
+    assert again.exit_code == 1 and "--overwrite" in " ".join(again.output.split())
+    # ... or replaces them; `auto` keeps the trained dtype (fp32 here)
+    again = CliRunner().invoke(app, [str(tmp_path / "ckpt"), str(out), "--dtype", "auto", "--overwrite"])
+    assert again.exit_code == 0, again.output
+    assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"]
+    assert load_file(str(out / "model.safetensors"))["body.weight"].dtype == torch.float32
+    out = tmp_path / "out2"
+    res = CliRunner().invoke(
+        app,
+        [str(tmp_path / "ckpt"), str(out), "--format", "torch", "--dtype", "bf16", "--max_shard_size", "300B", "--tag", "global_step3"],
+    )
     index = json.loads((out / "pytorch_model.bin.index.json").read_text())
     files = sorted(set(index["weight_map"].values()))
     assert len(files) > 1 and all(f.startswith("pytorch_model-") and f.endswith(f"-of-{len(files):05d}.bin") for f in files)

@@ -43,15 +43,18 @@ def consolidate(
     ckpt_dir: Path = typer.Argument(..., help="Checkpoint save directory (with 'latest') or a tag directory."),
     out: Path = typer.Argument(..., help="Output directory for the consolidated weights."),
     tag: str | None = typer.Option(None, "--tag", help="Checkpoint tag (default: the one 'latest' names)."),
-    dtype: str = typer.Option("fp32", "--dtype", help="fp32 | bf16 | fp16 (floating-point tensors)."),
+    dtype: str = typer.Option(
+        "fp32", "--dtype", help="fp32 | bf16 | fp16 | auto (the dtype it trained in), for floating-point tensors."
+    ),
     fmt: str = typer.Option("safetensors", "--format", help="safetensors | torch"),
     max_shard_size: str = typer.Option(
         "5GB", "--max_shard_size", "--max-shard-size", help="Largest output file, e.g. 5GB, 500MB, 2GiB."
     ),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace model files already in OUT."),
 ) -> None:
     """Build a full state dict (Hugging Face layout) from a sharded checkpoint, one tensor at a time."""
-    if dtype not in ("fp32", "bf16", "fp16"):
-        raise CheckpointError(f"--dtype {dtype!r}: use fp32, bf16 or fp16")
+    if dtype not in ("fp32", "bf16", "fp16", "auto"):
+        raise CheckpointError(f"--dtype {dtype!r}: use fp32, bf16, fp16 or auto")
     if fmt not in ("safetensors", "torch"):
         raise CheckpointError(f"--format {fmt!r}: use safetensors or torch")
     limit = parse_size(max_shard_size)
@@ -60,7 +63,10 @@ def consolidate(
 
     from zerorun.runtime.checkpoint.consolidate import consolidate as run
 
-    result = run(ckpt_dir, out, tag=tag, dtype=dtype, fmt=fmt, max_shard_size=limit)
+    result = run(
+        ckpt_dir, out, tag=tag, dtype=None if dtype == "auto" else dtype, fmt=fmt, max_shard_size=limit,
+        overwrite=overwrite,
+    )
     gb = result.total_bytes / 1e9
     typer.echo(
         f"consolidated {result.tag_dir}: {result.num_tensors} tensors, {gb:.3f} GB ({dtype}) "

@@ -139,6 +139,27 @@ def _checked(t: torch.Tensor, spec: OutputTensor) -> torch.Tensor:
     return t
 
 
+_OUTPUT_PATTERNS = (
+    "model.safetensors", "model-*-of-*.safetensors", "model.safetensors.index.json",
+    "pytorch_model.bin", "pytorch_model-*-of-*.bin", "pytorch_model.bin.index.json",
+)
+
+
+def _clear_previous_output(out_dir: Path, overwrite: bool) -> None:
+    """Leftovers of an earlier export would mislead loaders (an old index next to a new single
+    file is what Hugging Face would load), so they are an error, or removed with `overwrite`."""
+    old = sorted({p for pat in _OUTPUT_PATTERNS for p in out_dir.glob(pat)})
+    if not old:
+        return
+    if not overwrite:
+        raise CheckpointError(
+            f"{out_dir} already holds model files ({', '.join(p.name for p in old[:4])}"
+            f"{', ...' if len(old) > 4 else ''}); choose an empty directory or pass --overwrite"
+        )
+    for p in old:
+        p.unlink()
+
+
 @dataclass(frozen=True)
 class ConsolidateResult:
     tag_dir: Path
@@ -156,12 +177,14 @@ def consolidate(
     dtype: str | None = "fp32",
     fmt: str = "safetensors",
     max_shard_size: int = 5 * 10**9,
+    overwrite: bool = False,
 ) -> ConsolidateResult:
     """Build a full state dict from a sharded checkpoint (see the module docstring).
 
     `ckpt_dir` may be the save directory (uses `latest` or `tag`) or a tag directory itself.
     `dtype`: fp32 | bf16 | fp16 for floating tensors, or None for the dtype the model trained
-    in. Integer buffers keep their dtype.
+    in. Integer buffers keep their dtype. Model files already in `out_dir` are an error unless
+    `overwrite` (then they are removed first).
     """
     root = Path(ckpt_dir)
     if not root.is_dir():
@@ -178,6 +201,8 @@ def consolidate(
         tag_dir = root / resolved
     if dtype is not None and dtype not in DTYPES:
         raise CheckpointError(f"unknown dtype {dtype!r}: use one of {', '.join(DTYPES)}")
+    if Path(out_dir).is_dir():
+        _clear_previous_output(Path(out_dir), overwrite)
     with CheckpointReader(tag_dir) as reader:
         meta = reader.meta
         tensors: list[OutputTensor] = []

@@ -155,12 +155,19 @@ class EngineCheckpointView:
             replicated = layout.num_shards == 1 and self.world_size > 1
             sources: dict[str, torch.Tensor] = {WEIGHT: master}
             if for_load:
-                # Fresh targets; `restore_checkpoint_state` hands them to the optimizer through
-                # its own load_state_dict (which creates state a step has not created yet).
+                # Targets: the optimizer's own state tensors where they exist (read in place: no
+                # second copy, and NVMe offload's memory-mapped files stay what they are), fresh
+                # zeros where no step created them yet. `restore_checkpoint_state` then hands
+                # them to the optimizer through its load_state_dict (same dtype and device: kept
+                # as they are, not copied).
+                current = opt.state.get(master, {})
                 for kind in sorted(kinds or ()):
                     if kind.startswith(OPTIM_PREFIX):
-                        t = torch.zeros_like(master)
-                        self._optim_targets[(i, kind[len(OPTIM_PREFIX) :])] = t
+                        key = kind[len(OPTIM_PREFIX) :]
+                        t = current.get(key)
+                        if not (torch.is_tensor(t) and t.shape == master.shape and t.dtype == master.dtype):
+                            t = torch.zeros_like(master)
+                        self._optim_targets[(i, key)] = t
                         sources[kind] = t
             else:
                 for key, v in opt.state.get(master, {}).items():

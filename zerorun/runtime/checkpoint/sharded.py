@@ -235,8 +235,8 @@ def load_checkpoint(
     which scripts use to decide between resuming and starting fresh).
 
     ``strict=False`` (DeepSpeed's ``load_module_strict``): parameters and buffers the
-    checkpoint lacks keep their current values (and, when optimizer states are loaded, start
-    with zero optimizer state) instead of being an error."""
+    checkpoint lacks keep their current values (and optimizer state: zeros if none existed)
+    instead of being an error."""
     comm = _Comm(view)
     root = Path(load_dir)
     tag = resolve_tag(root, tag)
