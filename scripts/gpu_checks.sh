@@ -4,7 +4,8 @@
 #   1. the stage 0/1/2 equivalence matrix with CUDA tensors, world 1 on NCCL, with
 #      ZERORUN_DEBUG_COLLECTIVES=1 so the one-rank collectives really run on the side stream;
 #   2. the same matrix with 2 and 4 ranks sharing the one GPU over gloo (--ranks_per_gpu mode);
-#   3. examples/gpt.py through the launcher: 1 rank on the GPU (NCCL), and 2 ranks sharing it.
+#   3. examples/gpt.py through the launcher: 1 rank on the GPU (NCCL), and 2 ranks sharing it;
+#   4. the ZeRO stage 3 tests the same two ways; 5. stage-3 memory at rest per rank vs 16Ψ/N.
 #
 # Results (logs, junit XML, a summary) go under $OUT (default ./gpu_checks_out). Needs torch with
 # CUDA, pytest, and zerorun's dependencies (pydantic, typer, rich, pyyaml; paramiko is not used
@@ -42,4 +43,13 @@ run eq_shared_gloo env ZERORUN_BACKEND=gloo \
 # 3. the README's example through the launcher.
 run gpt_1gpu_nccl "$PY" -m zerorun --num_gpus 1 examples/gpt.py --config templates/zero2.yaml --size 125M --seq_len 1024 --steps 30
 run gpt_2ranks_shared "$PY" -m zerorun --num_gpus 2 --ranks_per_gpu 2 examples/gpt.py --config templates/zero2.yaml --steps 20
+# 4. ZeRO stage 3: world 1 on NCCL (collectives forced through the stream path), 2 and 4 ranks
+#    sharing the GPU over gloo (prefetched all-gathers and reduce-scatters on the side stream).
+run s3_world1_nccl env ZERORUN_BACKEND=nccl ZERORUN_DEBUG_COLLECTIVES=1 ZR_S3_WORLDS=1 \
+  "$PY" -m pytest -q -p no:cacheprovider tests/runtime/test_stage3.py --junitxml="$OUT/s3_world1_nccl.xml"
+run s3_shared_gloo env ZERORUN_BACKEND=gloo ZR_S3_WORLDS=2,4 \
+  "$PY" -m pytest -q -p no:cacheprovider tests/runtime/test_stage3.py --junitxml="$OUT/s3_shared_gloo.xml"
+# 5. stage-3 memory at rest per rank (torch.cuda.memory_allocated) vs 16Ψ/N: JSON in $OUT/s3_memory_w*.json
+run s3_memory_w1 env OUT="$OUT" "$PY" -m zerorun --num_gpus 1 tests/runtime/_s3_gpu_memory.py --size 350M
+run s3_memory_w4 env OUT="$OUT" "$PY" -m zerorun --num_gpus 4 --ranks_per_gpu 4 tests/runtime/_s3_gpu_memory.py --size 350M
 echo "results in $OUT" | tee -a "$summary"

@@ -5,8 +5,10 @@ Inside the context every ``nn.Module`` subclass's ``__init__`` is wrapped: when 
 the parameters of that module not yet partitioned are cut: each rank keeps the contiguous
 ``ceil(numel / world)`` slice of the flattened values it owns (the "init shard", in the dtype
 the parameter was created in, on the training device) and the parameter's ``.data`` becomes the
-empty placeholder stage 3 uses (``p.ds_shape`` / ``p.ds_numel`` keep the shape). Peak memory is
-one module's own parameters, never the model.
+placeholder: right shape, every element one shared NaN, so in-place writes raise and reads are
+NaN (``p.ds_shape`` / ``p.ds_numel`` as in DeepSpeed). Peak memory is one module's own
+parameters, never the model. (After ``initialize`` a released parameter is stage 3's empty
+``[0]`` placeholder instead, see param_group.py.)
 
 **Initialization is identical to normal construction with the same seed**: each module's
 parameters are created and initialized exactly as without the context (same RNG draws in the
@@ -70,7 +72,11 @@ class InitShard:
         self.shard = torch.zeros(self.shard_numel, dtype=p.dtype, device=comm.device)
         piece = flat[start : start + self.shard_numel]
         self.shard[: piece.numel()].copy_(piece)
-        self.placeholder = torch.empty(0, dtype=p.dtype, device=comm.device)
+        # Until initialize: a placeholder of the right shape (init code branches on p.dim() and
+        # p.shape) that cannot be written (every element aliases one NaN: in-place writes raise)
+        # and reads as NaN, never as plausible values.
+        fill = float("nan") if p.dtype.is_floating_point else 0
+        self.placeholder = torch.full((1,), fill, dtype=p.dtype, device=comm.device).expand(self.shape)
         p.data = self.placeholder
         p.ds_shape = self.shape  # type: ignore[attr-defined]
         p.ds_numel = self.numel  # type: ignore[attr-defined]

@@ -73,6 +73,9 @@ class ParamGroup:
         self.persistent = persistent
         self.world = comm.world_size
         self.rank = comm.rank
+        # One rank and no forced collectives (ZERORUN_DEBUG_COLLECTIVES): gathers and reductions
+        # are plain copies.
+        self.trivial = bool(getattr(comm, "trivial", self.world == 1))
         self.rest_dtype = param_dtype if (persistent or rest_dtype is None) else rest_dtype
         self.resident = persistent or (self.world == 1 and store.resident and self.rest_dtype == param_dtype)
         self.numel = sum(layout.padded_numel for layout in self.layouts)
@@ -133,7 +136,7 @@ class ParamGroup:
             full.untyped_storage().resize_(full.numel() * full.element_size())
             fetched = self.store.fetch(layout.index, rest)
             self._fetched.append(fetched)
-            if fetched.dtype != self.dtype and self.world > 1:
+            if fetched.dtype != self.dtype and not self.trivial:
                 # fp32 at rest: cast this rank's shard once; the collective moves 16-bit data.
                 # (With one rank the all-gather is a copy, which casts by itself.)
                 fetched = fetched.to(self.dtype)
@@ -198,7 +201,7 @@ class ParamGroup:
                 )
             if pad.numel():
                 parts.append(pad)
-            if self.world == 1:
+            if self.trivial:
                 if fresh:
                     torch.cat(parts, out=shard)
                 else:
@@ -218,7 +221,7 @@ class ParamGroup:
 
     def staging_bytes(self) -> int:
         esize = torch.empty((), dtype=self.reduce_dtype).element_size()
-        return 0 if self.world == 1 else max(layout.padded_numel for layout in self.layouts) * esize
+        return 0 if self.trivial else max(layout.padded_numel for layout in self.layouts) * esize
 
     def zero_grad(self) -> None:
         for s in self.grad_shards:
