@@ -109,7 +109,7 @@ class GradReducer:
             if grad is None:
                 return
             slot = self.flat.layouts[i].slots[k]
-            self._accept(i, slot.offset, slot.numel, grad.reshape(-1), first=not self._written[i][k])
+            self._accept(i, k, slot.offset, slot.numel, grad.reshape(-1))
             self._written[i][k] = True
             self._reported[i] += 1
             if self._reported[i] == len(self.flat.layouts[i].slots):
@@ -131,7 +131,7 @@ class GradReducer:
         while len(self._pending) > self.max_inflight:
             self._pending.popleft().wait()
 
-    def _accept(self, i: int, offset: int, numel: int, grad: torch.Tensor, first: bool) -> None:
+    def _accept(self, i: int, k: int, offset: int, numel: int, grad: torch.Tensor) -> None:
         raise NotImplementedError
 
     def _fill_unwritten(self, i: int) -> None:
@@ -154,9 +154,14 @@ class _FullAccumulation(GradReducer):
             torch.zeros(layout.padded_numel, dtype=reduce_dtype, device=flat.device)
             for layout in flat.layouts
         ]
+        # Each parameter's slice, made once: no per-step view creation in the hook.
+        self._views = [
+            [a[slot.offset : slot.offset + slot.numel] for slot in layout.slots]
+            for a, layout in zip(self.acc, flat.layouts, strict=True)
+        ]
 
-    def _accept(self, i: int, offset: int, numel: int, grad: torch.Tensor, first: bool) -> None:
-        self.acc[i][offset : offset + numel].add_(grad)
+    def _accept(self, i: int, k: int, offset: int, numel: int, grad: torch.Tensor) -> None:
+        self._views[i][k].add_(grad)
 
     def zero_grad(self) -> None:
         for a in self.acc:
@@ -204,6 +209,10 @@ class PartitionedGrads(GradReducer):
         # (no add). Tracked per buffer rather than from the micro-step counter, so several
         # backward passes before one step still accumulate.
         self._fresh = [True] * len(flat.layouts)
+        self._views = [
+            [sh[slot.offset : slot.offset + slot.numel] for slot in layout.slots]
+            for sh, layout in zip(self.shards, flat.layouts, strict=True)
+        ]  # used on one rank only, where the shard is the whole buffer
 
     def _staging_for(self, i: int) -> torch.Tensor:
         buf = self._staging.get(i)
@@ -221,10 +230,10 @@ class PartitionedGrads(GradReducer):
             (b.numel() * b.element_size() for b in self._staging.values()), default=0
         )
 
-    def _accept(self, i: int, offset: int, numel: int, grad: torch.Tensor, first: bool) -> None:
+    def _accept(self, i: int, k: int, offset: int, numel: int, grad: torch.Tensor) -> None:
         if self.comm.trivial:
             # One rank: the shard is the whole buffer; accumulate into it, no staging, no copy.
-            self.shards[i][offset : offset + numel].add_(grad)
+            self._views[i][k].add_(grad)
             return
         self._staging_for(i)[offset : offset + numel].copy_(grad)
 

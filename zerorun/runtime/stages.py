@@ -63,6 +63,7 @@ class FlatStage:
         self.comm = comm
         self.grads_replicated = stage == 0
         self._shard = state.shard_index
+        self._own = [flat.shard(i, self._shard) for i in range(len(flat.layouts))]  # views, made once
 
     @property
     def layouts(self):  # noqa: ANN201 - list[FlatLayout]
@@ -79,7 +80,7 @@ class FlatStage:
 
     def step(self, grad_shards: Sequence[torch.Tensor]) -> None:
         self.state.step(grad_shards)
-        own = [self.flat.shard(i, self._shard) for i in range(len(self.flat.layouts))]
+        own = self._own
         with torch.no_grad():
             self.state.write_back(own)
             if self.stage > 0:
