@@ -392,6 +392,8 @@ class Supervisor:
                 self._on_node_lost(msg)
         if lines:
             self.console.output(lines)
+        if batch and self.log_dir is not None:
+            self._flush_logs()
 
     # -- message handlers -------------------------------------------------------------------
 
@@ -558,8 +560,16 @@ class Supervisor:
             return
         self.log_dir.mkdir(parents=True, exist_ok=True)
         for rank in self.states:
-            self._logs[rank] = open(self.log_dir / f"rank{rank}.log", "w", encoding="utf-8", buffering=1)  # noqa: SIM115
-        self._events_log = open(self.log_dir / "events.jsonl", "w", encoding="utf-8", buffering=1)  # noqa: SIM115
+            # Buffered, flushed after every batch of messages (`_flush_logs`): a write per line
+            # would cost more than the console itself.
+            self._logs[rank] = open(self.log_dir / f"rank{rank}.log", "w", encoding="utf-8")  # noqa: SIM115
+        self._events_log = open(self.log_dir / "events.jsonl", "w", encoding="utf-8")  # noqa: SIM115
+
+    def _flush_logs(self) -> None:
+        for f in self._logs.values():
+            f.flush()
+        if self._events_log is not None:
+            self._events_log.flush()
 
     def _close_logs(self, result: JobResult) -> None:
         for f in self._logs.values():
