@@ -142,6 +142,11 @@ def save_checkpoint(
     meta.zerorun_version = zerorun.__version__
     fragments = view.checkpoint_fragments(for_load=False)
     meta.kinds = sorted({f.kind for f in fragments})  # identical on every rank (same engine)
+    if not tmp.is_dir():
+        raise CheckpointError(
+            f"checkpoint save: rank {comm.rank} does not see {tmp}, which rank 0 created; save_dir must be "
+            "a filesystem shared by all nodes"
+        )
     write_rank_shard(
         tmp, comm.rank, comm.world_size, fragments, on_half_written=lambda: atomic.maybe_crash(comm.rank, "mid_shard")
     )
