@@ -306,6 +306,13 @@ def _launch(options: LaunchOptions) -> int:
             "no NVIDIA driver (no /proc/driver/nvidia, no nvidia-smi). Use --device cpu to run CPU ranks."
         )
 
+    local_ranks = sum(len(n.ranks) for n in plan.nodes if n.is_local)
+    if plan.device == "cpu" and local_ranks > devices.cores:
+        _stderr_note(
+            f"warning: {local_ranks} CPU ranks on {devices.cores} core(s) of this machine: they will "
+            "take turns on the cores (fine for testing, slow for training)."
+        )
+
     if options.dry_run:
         _print_dry_run(plan, redact_env)
         return 0
