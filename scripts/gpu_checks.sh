@@ -40,6 +40,19 @@ run eq_world1_nccl env ZERORUN_BACKEND=nccl ZERORUN_DEBUG_COLLECTIVES=1 \
 run eq_shared_gloo env ZERORUN_BACKEND=gloo \
   "$PY" -m pytest -q -p no:cacheprovider tests/runtime/test_equivalence.py -k "(w2 or w4) and not golden" \
   --junitxml="$OUT/eq_shared_gloo.xml"
+# 2b. offload (docs/offload.md): the CUDA copy path -- pinned host buffers, D2H of gradient tiles
+#     and H2D of parameter tiles on side streams ordered by events, the worker thread's step, the
+#     delayed update, stage-3 parameter fetches from the host -- against the same references.
+#     World 1 on NCCL, then 2 ranks sharing the GPU over gloo (+ checkpoint resume). The NVMe
+#     cases use pytest's temp dir: TMPDIR on a local disk exercises direct I/O.
+run offload_world1_nccl env ZERORUN_BACKEND=nccl \
+  "$PY" -m pytest -q -p no:cacheprovider tests/runtime/test_offload.py -k "w1" \
+  --junitxml="$OUT/offload_world1_nccl.xml"
+run offload_shared_gloo env ZERORUN_BACKEND=gloo \
+  "$PY" -m pytest -q -p no:cacheprovider tests/runtime/test_offload.py -k "not w1" \
+  --junitxml="$OUT/offload_shared_gloo.xml"
+run offload_units "$PY" -m pytest -q -p no:cacheprovider tests/runtime/test_offload_units.py \
+  --junitxml="$OUT/offload_units.xml"
 # 3. the README's example through the launcher.
 run gpt_1gpu_nccl "$PY" -m zerorun --num_gpus 1 examples/gpt.py --config templates/zero2.yaml --size 125M --seq_len 1024 --steps 30
 run gpt_2ranks_shared "$PY" -m zerorun --num_gpus 2 --ranks_per_gpu 2 examples/gpt.py --config templates/zero2.yaml --steps 20

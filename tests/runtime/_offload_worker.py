@@ -106,11 +106,14 @@ def config_for(case: oc.OCase, nvme_dir: str) -> dict:
     return cfg
 
 
-def reference(model: nn.Module, case: oc.OCase, world: int, seed: int, scales: list[float] | None) -> dict:
+def reference(
+    model: nn.Module, case: oc.OCase, world: int, seed: int, scales: list[float] | None, device: torch.device
+) -> dict:
     """Plain PyTorch on the global batch, the runtime's mixed-precision recipe, and -- for the
-    delayed update -- gradients of step t computed on the parameters before update t-1."""
+    delayed update -- gradients of step t computed on the parameters before update t-1. Runs
+    on the training device (the same matmul kernels as the ranks)."""
     dtype = DTYPES[case.dtype]
-    master = model
+    master = model.to(device)
     compute = copy.deepcopy(master).to(dtype) if (dtype != torch.float32 or case.delayed) else master
     m_params = [p for p in master.parameters() if p.requires_grad]
     c_params = [p for p in compute.parameters() if p.requires_grad]
@@ -125,7 +128,7 @@ def reference(model: nn.Module, case: oc.OCase, world: int, seed: int, scales: l
             acc = [torch.zeros_like(p, dtype=torch.float32) for p in m_params]
             for micro in range(case.accum):
                 ids, tgt = _models.batch(seed, step, micro, rank, oc.MICRO_BATCH)
-                loss = compute(ids, tgt)
+                loss = compute(ids.to(device), tgt.to(device))
                 step_losses[micro][rank] = float(loss.detach())
                 if (step, rank) in inject:
                     loss = loss * math.inf
@@ -158,8 +161,8 @@ def reference(model: nn.Module, case: oc.OCase, world: int, seed: int, scales: l
     return {
         "losses": losses,
         "norms": norms,
-        "master": {n: p.detach().clone() for n, p in master.named_parameters()},
-        "compute": {n: p.detach().float().clone() for n, p in compute.named_parameters()},
+        "master": {n: p.detach().cpu().clone() for n, p in master.named_parameters()},
+        "compute": {n: p.detach().float().cpu().clone() for n, p in compute.named_parameters()},
     }
 
 
@@ -167,12 +170,15 @@ def full_masters(engine) -> dict[str, torch.Tensor]:
     state = engine.stage.state
     state.synchronize()
     out = {}
+    # gloo gathers CPU tensors (also when the ranks share a GPU); NCCL needs CUDA ones.
+    on = engine.device if dist.get_backend() == "nccl" else torch.device("cpu")
     for layout, master in zip(state.layouts, state.masters, strict=True):
-        full = torch.empty(layout.padded_numel, dtype=torch.float32)
+        full = torch.empty(layout.padded_numel, dtype=torch.float32, device=on)
         if layout.num_shards > 1:
-            dist.all_gather_into_tensor(full, master.detach().float().contiguous())
+            dist.all_gather_into_tensor(full, master.detach().float().contiguous().to(on))
         else:
             full.copy_(master.detach().float())
+        full = full.cpu()
         for slot in layout.slots:
             out[slot.name] = full[slot.offset : slot.offset + slot.numel].view(slot.shape).clone()
     return out
@@ -181,8 +187,8 @@ def full_masters(engine) -> dict[str, torch.Tensor]:
 def compute_params(model: nn.Module, stage: int) -> dict[str, torch.Tensor]:
     if stage == 3:
         with zerorun.zero.GatheredParameters(list(model.parameters())):
-            return {n: p.detach().float().clone() for n, p in model.named_parameters()}
-    return {n: p.detach().float().clone() for n, p in model.named_parameters()}
+            return {n: p.detach().float().cpu().clone() for n, p in model.named_parameters()}
+    return {n: p.detach().float().cpu().clone() for n, p in model.named_parameters()}
 
 
 def run_case(case: oc.OCase, rank: int, world: int, nvme_dir: str) -> dict | None:
@@ -197,7 +203,7 @@ def run_case(case: oc.OCase, rank: int, world: int, nvme_dir: str) -> dict | Non
         scales_before.append(engine.get_loss_scale())
         for micro in range(case.accum):
             ids, tgt = _models.batch(seed, step, micro, rank, oc.MICRO_BATCH)
-            loss = engine(ids, tgt)
+            loss = engine(ids.to(engine.device), tgt.to(engine.device))
             losses.append(loss.item())
             engine.backward(loss * math.inf if (step, rank) in inject else loss)
             engine.step()
@@ -226,12 +232,13 @@ def run_case(case: oc.OCase, rank: int, world: int, nvme_dir: str) -> dict | Non
     }
     compute = compute_params(model, case.stage)
     engine.destroy()
+    device = engine.device
     info["files_removed"] = files_dir is None or not os.path.exists(files_dir)
     gathered = [None] * world
     dist.all_gather_object(gathered, info)
     if rank != 0:
         return None
-    ref = reference(ref_model, case, world, seed, scales_before if case.dtype == "fp16" else None)
+    ref = reference(ref_model, case, world, seed, scales_before if case.dtype == "fp16" else None, device)
     ref_losses = [
         [ref["losses"][s][m][r] for s in range(case.steps) for m in range(case.accum)] for r in range(world)
     ]
@@ -252,7 +259,7 @@ def _train(engine, seed: int, rank: int, steps: range) -> list[float]:
     losses = []
     for step in steps:
         ids, tgt = _models.batch(seed, step, 0, rank, oc.MICRO_BATCH)
-        loss = engine(ids, tgt)
+        loss = engine(ids.to(engine.device), tgt.to(engine.device))
         losses.append(loss.item())
         engine.backward(loss)
         engine.step()
@@ -291,7 +298,7 @@ def run_resume(case: oc.OCase, rank: int, world: int, nvme_dir: str, ckpt_dir: s
 def main() -> None:
     out_path, nvme_dir = Path(sys.argv[1]), sys.argv[2]
     only = set(sys.argv[3].split(",")) if len(sys.argv) > 3 and sys.argv[3] else None
-    torch.use_deterministic_algorithms(True)
+    torch.use_deterministic_algorithms(True, warn_only=torch.cuda.is_available())
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     results: dict = {}
     t0 = time.monotonic()

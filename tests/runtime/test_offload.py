@@ -97,7 +97,7 @@ def test_offload_matches_reference(results, world: int, case: OCase) -> None:  #
         assert err <= (1e-5 if fp32 else _tol16(case.dtype)) * scale + 1e-6, f"param {name}: max error {err}"
 
 
-@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("world", WORLDS, ids=[f"w{w}" for w in WORLDS])
 def test_host_memory_is_reported(results, world: int) -> None:  # noqa: ANN001
     """The memory summary shows what offload holds: fp32 masters 4 B and Adam states 8 B per
     shard element on the host ("cpu") or on "nvme", the host gradient copy 4 B/element."""
@@ -122,7 +122,7 @@ def test_host_memory_is_reported(results, world: int) -> None:  # noqa: ANN001
     assert checked >= world
 
 
-@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("world", WORLDS, ids=[f"w{w}" for w in WORLDS])
 def test_nvme_files_are_cleaned_up(results, world: int) -> None:  # noqa: ANN001
     assert results(world)["_nvme_left"] == []
 
