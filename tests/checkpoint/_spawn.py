@@ -26,6 +26,15 @@ def free_port() -> int:
 
 
 def spawn(world: int, argv: list[str], *, timeout: float = 120, env: dict[str, str] | None = None, log_dir: Path) -> list[RankResult]:
+    """Run the ranks; once more on a fresh port if the rendezvous port was taken meanwhile
+    (free_port() cannot reserve it, and other test jobs run on this machine too)."""
+    results = _spawn_once(world, argv, timeout=timeout, env=env, log_dir=log_dir)
+    if any("EADDRINUSE" in r.output or "address already in use" in r.output.lower() for r in results):
+        results = _spawn_once(world, argv, timeout=timeout, env=env, log_dir=log_dir)
+    return results
+
+
+def _spawn_once(world: int, argv: list[str], *, timeout: float, env: dict[str, str] | None, log_dir: Path) -> list[RankResult]:
     port = free_port()
     procs = []
     for r in range(world):
