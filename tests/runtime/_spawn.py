@@ -23,8 +23,38 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _launcher_env(style: str, rank: int, world: int, port: int) -> dict[str, str]:
+    """The variables a rank gets from torchrun (and zerorun) or from srun."""
+    if style == "slurm":
+        # srun gives no MASTER_ADDR: zerorun takes the first host of the node list.
+        return {
+            "SLURM_PROCID": str(rank),
+            "SLURM_NTASKS": str(world),
+            "SLURM_LOCALID": str(rank),
+            "SLURM_JOB_NODELIST": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
+    return {
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": str(world),
+        "LOCAL_WORLD_SIZE": str(world),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }
+
+
+_LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
 def spawn_ranks(
-    script: Path, world: int, args: list[str], *, deadline_s: float, extra_env: dict[str, str] | None = None
+    script: Path,
+    world: int,
+    args: list[str],
+    *,
+    deadline_s: float,
+    extra_env: dict[str, str] | None = None,
+    style: str = "torchrun",
 ) -> list[tuple[int, str]]:
     """Run ``script`` as ``world`` ranks; return [(returncode, combined output)] per rank.
     Raises AssertionError (with every rank's output) on timeout or a failing rank."""
@@ -32,14 +62,9 @@ def spawn_ranks(
     procs: list[subprocess.Popen[str]] = []
     logs = []
     for rank in range(world):
-        env = dict(os.environ)
+        env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARS and not k.startswith("SLURM_")}
+        env.update(_launcher_env(style, rank, world, port))
         env.update(
-            RANK=str(rank),
-            LOCAL_RANK=str(rank),
-            WORLD_SIZE=str(world),
-            LOCAL_WORLD_SIZE=str(world),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
             OMP_NUM_THREADS="1",
             ZERORUN_PG_TIMEOUT="60",
             ZERORUN_DEVICE=os.environ.get("ZERORUN_TEST_DEVICE", "cpu"),

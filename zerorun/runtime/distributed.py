@@ -9,6 +9,8 @@ script already created is used as it is.
 from __future__ import annotations
 
 import os
+import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -17,7 +19,7 @@ import torch.distributed as dist
 
 from zerorun.errors import RuntimeConfigError
 
-__all__ = ["DistContext", "init_distributed", "rank_env"]
+__all__ = ["DistContext", "init_distributed", "rank_env", "rendezvous_address", "first_slurm_host"]
 
 _SOURCES = (
     ("RANK", "WORLD_SIZE", "LOCAL_RANK"),
@@ -37,8 +39,8 @@ class DistContext:
     group: dist.ProcessGroup | None = None
 
 
-def _int_env(name: str) -> int | None:
-    value = os.environ.get(name)
+def _int_env(name: str, env: Mapping[str, str] | None = None) -> int | None:
+    value = (os.environ if env is None else env).get(name)
     if value is None or value == "":
         return None
     try:
@@ -47,16 +49,46 @@ def _int_env(name: str) -> int | None:
         raise RuntimeConfigError(f"environment variable {name}={value!r} is not an integer") from None
 
 
-def rank_env() -> tuple[int, int, int]:
+def rank_env(env: Mapping[str, str] | None = None) -> tuple[int, int, int]:
     """(rank, world_size, local_rank) from whichever launcher started us; (0, 1, 0) if none."""
     for rank_var, size_var, local_var in _SOURCES:
-        rank, size = _int_env(rank_var), _int_env(size_var)
+        rank, size = _int_env(rank_var, env), _int_env(size_var, env)
         if rank is not None and size is not None:
-            local = _int_env(local_var)
+            local = _int_env(local_var, env)
             if local is None:
-                local = _int_env("LOCAL_RANK") or 0
+                local = _int_env("LOCAL_RANK", env) or 0
             return rank, size, local
     return 0, 1, 0
+
+
+def first_slurm_host(nodelist: str) -> str:
+    """The first host of a Slurm node list: 'gpu[03-04,07],cpu1' -> 'gpu03'."""
+    m = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
+    if m is None:
+        raise RuntimeConfigError(f"cannot read the Slurm node list {nodelist!r}: export MASTER_ADDR")
+    prefix, ranges = m.group(1), m.group(2)
+    return prefix if not ranges else prefix + ranges.split(",")[0].split("-")[0]
+
+
+def rendezvous_address(env: Mapping[str, str], world_size: int) -> tuple[str, str]:
+    """(MASTER_ADDR, MASTER_PORT) for env:// rendezvous. torchrun and zerorun set both; under
+    srun they come from the job's node list and id; one host needs no more than loopback."""
+    addr, port = env.get("MASTER_ADDR"), env.get("MASTER_PORT")
+    if "SLURM_PROCID" in env and "RANK" not in env:
+        nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+        if addr is None and nodelist:
+            addr = first_slurm_host(nodelist)
+        if port is None and env.get("SLURM_JOB_ID", "").isdigit():
+            port = str(20000 + int(env["SLURM_JOB_ID"]) % 20000)  # distinct jobs, distinct ports
+    if addr is None:
+        local_size = env.get("LOCAL_WORLD_SIZE") or env.get("OMPI_COMM_WORLD_LOCAL_SIZE")
+        if world_size > 1 and local_size is not None and int(local_size) != world_size:
+            raise RuntimeConfigError(
+                "ranks run on several hosts but MASTER_ADDR is not set: export MASTER_ADDR=<host of rank 0> "
+                "(and MASTER_PORT) before starting the job, or start it with zerorun or torchrun"
+            )
+        addr = "127.0.0.1"
+    return addr, port or "29500"
 
 
 def _device(local_rank: int) -> torch.device:
@@ -100,8 +132,8 @@ def init_distributed() -> DistContext:
         # One process and no rendezvous address: a private in-memory store, no port needed.
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     else:
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29500")
+        addr, port = rendezvous_address(os.environ, world)
+        os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = addr, port
         kwargs = {"device_id": device} if backend == "nccl" else {}
         dist.init_process_group(
             backend, init_method="env://", rank=rank, world_size=world, timeout=timeout, **kwargs
