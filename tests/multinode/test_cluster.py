@@ -217,6 +217,22 @@ def test_launcher_interrupted_or_killed_leaves_nothing(cluster, tmp_path: Path, 
     assert not left, f"{how}: left after {time.monotonic() - t0:.1f} s:\n{describe(left)}"
 
 
+def test_hang_timeout_gets_stack_dumps_from_every_node(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """--hang_timeout: SIGUSR1 travels to the remote ranks (to the rank alone), their
+    faulthandler dumps come back over SSH, the report says where each rank is."""
+    code, out = run_launcher(
+        ["--hostfile", hostfile(cluster), "--exclude", "node3", "--num_gpus", "1", *COMMON, "--hang_timeout", "3",
+         "--env", "MN_HANG=1", str(HELLO)],
+        env=launcher_env(cluster),
+        cwd=tmp_path,
+    )
+    assert code == 124, out
+    for where in ("node1:0", "node2:1"):
+        assert re.search(rf"rank {where}: hello.py:\d+ in stuck_here", out), out
+    left = wait_clean(cluster.nodes, 5)
+    assert not left, describe(left)
+
+
 def test_preflight_failures_start_nothing(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     marker = tmp_path / "started"
     env = launcher_env(cluster)
