@@ -8,6 +8,7 @@ test's known_hosts (used by the unknown-key test), so jobs select nodes with
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import signal
@@ -215,6 +216,27 @@ def test_launcher_interrupted_or_killed_leaves_nothing(cluster, tmp_path: Path, 
         launch.finish(30)
     left = wait_clean(cluster.nodes, 15)
     assert not left, f"{how}: left after {time.monotonic() - t0:.1f} s:\n{describe(left)}"
+
+
+def test_node_agent_killed_is_a_lost_node(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """The agent on node2 dies (OOM killer, admin): its ranks die with it (parent-death
+    signal), the launcher reports node2 lost, stops node1, exits 255."""
+    node1, node2 = cluster.nodes[:2]
+    launch = Launch(
+        ["--hostfile", hostfile(cluster), "--exclude", "node3", "--num_gpus", "1", *COMMON,
+         "--env", "MN_HANG=1", str(HELLO)],
+        env=launcher_env(cluster),
+        cwd=tmp_path,
+    )
+    launch.wait_for(lambda o: "[node1:0] HELLO" in o and "[node2:1] HELLO" in o, 60)
+    agents = [p for p in node2.job_pids() if b"zerorun.launch.agent" in Path(f"/proc/{p}/cmdline").read_bytes()]
+    assert len(agents) == 1, describe({"node2": node2.job_pids()})
+    os.kill(agents[0], signal.SIGKILL)
+    code = launch.finish(30)
+    out = launch.output
+    assert code == 255 and re.search(r"node node2 \(node rank 1\) was lost: the SSH connection to node2 \(\S+\) closed", out), out
+    left = wait_clean([node1, node2], 10)
+    assert not left, describe(left)
 
 
 def test_hang_timeout_gets_stack_dumps_from_every_node(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]

@@ -124,3 +124,37 @@ def test_one_node_runs_never_import_paramiko() -> None:
         "assert 'torch' not in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_preflight_answers_are_checked() -> None:
+    """Version mismatch, a node's own problem, an agent that died before answering."""
+    import queue
+    from types import SimpleNamespace
+
+    from zerorun.launch.ssh import _collect_hellos
+
+    def channel(*messages: object, stderr: tuple[str, ...] = (), code: int | None = 1) -> object:
+        q: queue.Queue[object] = queue.Queue()
+        for m in messages:
+            q.put(m)
+        return SimpleNamespace(
+            messages=q, stderr_tail=list(stderr), exit_status=lambda timeout=2.0: code,
+            target=SimpleNamespace(display="nodeX (10.0.0.9)"),
+        )
+
+    ok = {"t": "hello", "version": "1.0", "protocol": wire.PROTOCOL_VERSION}
+    channels = {
+        "a": channel(ok),
+        "b": channel({"t": "hello", "version": "0.9", "protocol": wire.PROTOCOL_VERSION}),
+        "c": channel(ok | {"error": "master port 1 is already in use there"}),
+        "d": channel(None, stderr=("/usr/bin/python3: No module named zerorun",)),
+        "e": channel(None, stderr=("bash: /opt/py/bin/python: No such file or directory",), code=127),
+        "f": channel(),  # silent
+    }
+    hellos, errors = _collect_hellos(channels, "/opt/py/bin/python", "/work", "1.0", timeout=0.2)  # type: ignore[arg-type]
+    assert list(hellos) == ["a"]
+    assert "imports zerorun 0.9, this launcher is zerorun 1.0" in errors["b"]
+    assert errors["c"] == "nodeX (10.0.0.9): master port 1 is already in use there"
+    assert "cannot import zerorun" in errors["d"]
+    assert "the remote interpreter /opt/py/bin/python does not exist there" in errors["e"]
+    assert "did not answer within 0.2 s" in errors["f"]
