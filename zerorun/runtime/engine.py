@@ -16,6 +16,7 @@ differs between stages; this file does not branch on the stage.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -82,6 +83,7 @@ class Engine:
         self.skipped_steps = 0
         self._grad_norm: torch.Tensor | None = None
         self._last_loss: torch.Tensor | None = None
+        self._last_status = time.monotonic()
         self._backward_since_step = False
         self._compute_dtype = settings.policy.param_dtype
         events = _events()
@@ -183,17 +185,18 @@ class Engine:
             torch._foreach_mul_(grads, 1.0 / scale)
 
     def _report_status(self) -> None:
-        if self.global_steps % self.settings.steps_per_print != 0:
+        """A status event for the launcher's live table: every ``steps_per_print`` steps and at
+        most once a second otherwise. Reading the loss is a host sync, so never more often."""
+        now = time.monotonic()
+        if self.global_steps % self.settings.steps_per_print != 0 and now - self._last_status < 1.0:
             return
         events = _events()
-        if events is None or not hasattr(events, "emit"):
+        if events is None or not hasattr(events, "emit") or not events.connected():
             return
-        loss = (
-            float(self._last_loss.float().item()) if self._last_loss is not None else None
-        )  # host sync, once per print
-        events.emit(
-            "status", step=self.global_steps, loss=loss, lr=self.get_lr()[0] if self.get_lr() else None
-        )
+        self._last_status = now
+        loss = float(self._last_loss.float().item()) if self._last_loss is not None else None
+        lrs = self.get_lr()
+        events.emit("status", step=self.global_steps, loss=loss, lr=lrs[0] if lrs else None)
 
     # -- the rest of DeepSpeed's engine surface -----------------------------------------------
     def zero_grad(self) -> None:
