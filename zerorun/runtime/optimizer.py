@@ -86,7 +86,14 @@ def build_from_config(
                 "to take it from: set a value in the config"
             )
     adam_w_mode = params.pop("adam_w_mode", True)
+    # Keys of DeepSpeed's fused optimizers that torch's have no use for.
     params.pop("torch_adam", None)
+    params.pop("set_grad_none", None)
+    if params.pop("bias_correction", True) is False:
+        raise RuntimeConfigError(
+            "optimizer.params.bias_correction: false is not supported (torch's Adam always corrects "
+            "the bias); remove the key"
+        )
     if key == "adam" and adam_w_mode:
         key = "adamw"
     elif key == "adamw" and not adam_w_mode:
