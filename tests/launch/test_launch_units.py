@@ -194,6 +194,7 @@ def test_hang_analysis() -> None:
         s.stack_dump = ["Current thread 0x1 (most recent call first):", f'  File "/x/{where}.py", line 1 in f']
     report = hang_report(states)
     assert report[-1] == "behind: rank(s) 2"
+    assert "no majority" in hang_report(states[1:])[-1]
     states[0].status, states[1].status, states[2].status = {"step": 9}, {"step": 8}, {"step": 9}
     assert hang_report(states)[-1] == "behind: rank(s) 1"
 

@@ -625,8 +625,13 @@ def hang_report(states: Sequence[RankState]) -> list[str]:
         low = min(steps.values())
         behind = sorted(r for r, st in steps.items() if st == low)
     elif len(set(places.values())) > 1:
-        common, _ = Counter(places.values()).most_common(1)[0]
-        behind = sorted(r for r, p in places.items() if p != common)
+        counts = Counter(places.values()).most_common()
+        if counts[0][1] > counts[1][1]:
+            # The odd ones out: usually the ranks that never reached the collective the
+            # others wait in.
+            behind = sorted(r for r, p in places.items() if p != counts[0][0])
+        else:
+            lines.append("the ranks stopped at different places (no majority to compare with)")
     if behind:
         lines.append("behind: rank(s) " + ", ".join(map(str, behind)))
     return lines
