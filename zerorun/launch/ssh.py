@@ -26,7 +26,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -449,7 +449,6 @@ class Preflight:
     master_port: int
     python: str
     cwd: str
-    notes: list[str] = field(default_factory=list)
 
     def close(self) -> None:
         for ch in self.channels.values():
