@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -62,7 +63,10 @@ def load_records(paths: Iterable[Path]) -> list[dict[str, Any]]:
             try:
                 data = json.loads(f.read_text(encoding="utf-8"))
             except (OSError, json.JSONDecodeError) as e:
-                raise ValueError(f"{f}: not a readable JSON record ({e})") from e
+                # Other tools write beside us (launch-overhead results); never let one file
+                # stop the table.
+                print(f"skipping {f}: not a readable JSON record ({e})", file=sys.stderr)
+                continue
             if isinstance(data, dict) and data.get("schema") == SCHEMA:
                 records.append(data)
     return records

@@ -39,6 +39,7 @@ from benchmarks.measure import (
     throughput,
 )
 from benchmarks.rankenv import RankContext, gather_objects, init_process_group, rank_context, synchronize
+from benchmarks.results import SCHEMA
 from benchmarks.workload import BETAS, EPS, LR, WEIGHT_DECAY, build_model, gpt_model
 
 __all__ = ["WorkerArgs", "run_worker", "Unavailable", "Skipped"]
@@ -329,6 +330,7 @@ def run_worker(args: WorkerArgs) -> int:
     bench = CATALOGUE[args.config]
     started = time.time()
     record: dict[str, Any] = {
+        "schema": SCHEMA,  # complete on its own: under a launcher this is the final record
         "run_id": args.run_id,
         "config": bench.name,
         "family": bench.family,

@@ -243,3 +243,12 @@ def test_tiny_run_end_to_end(tmp_path: Path) -> None:
     assert "| plain | ok |" in text and "| ddp | ok |" in text and "zero2" in text
     assert "world 2: ddp" in text  # DDP is the loss reference for the 2-rank rows
     assert "x plain" in proc.stdout  # the console table at the end
+
+
+def test_memory_band_check() -> None:
+    inside = memory_model.band_check([100.0, 118.0], formula=100.0, buffers=20.0)
+    assert inside["within"] and inside["max_abs_deviation"] == 0.0
+    above = memory_model.band_check([100.0, 130.0], formula=100.0, buffers=20.0)
+    assert not above["within"] and above["max_abs_deviation"] == pytest.approx(10 / 120)
+    below = memory_model.band_check([96.0], formula=100.0, buffers=0.0)
+    assert below["within"] and below["deviation_from_band_per_rank"] == [pytest.approx(-0.04)]
