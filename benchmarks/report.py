@@ -229,6 +229,7 @@ def _targets(recs: Sequence[dict[str, Any]], fsdp: dict[str, Any] | None, band: 
             )
     for off, ref in (
         ("zero2_offload_opt", "zero2"),
+        ("zero2_offload_dpu", "zero2"),
         ("zero3_offload_opt", "zero3"),
         ("zero3_offload_param", "zero3"),
     ):
