@@ -1,6 +1,6 @@
 """The fake cluster, built once per session and torn down in a finalizer even when tests fail.
 
-Set-up problems fail the tests, never skip them (see fabric.py). Helpers to run the launcher
+Set-up problems fail the tests, never skip them (see mn_fabric.py). Helpers to run the launcher
 are in mn_helpers.py.
 """
 
@@ -14,7 +14,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-import fabric  # noqa: E402
+import mn_fabric as fabric  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import fabric
+import mn_fabric as fabric
 
 SCRIPT = Path(__file__).parent / "scripts" / "train_mn.py"
 NAMED_SECRET = "named-secret-value-41"

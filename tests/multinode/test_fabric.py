@@ -6,7 +6,7 @@ import json
 import os
 import subprocess
 
-import fabric
+import mn_fabric as fabric
 import pytest
 
 pytestmark = pytest.mark.multinode
