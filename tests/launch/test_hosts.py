@@ -73,6 +73,18 @@ def test_malformed_hostfiles(text: str, fragment: str) -> None:
     assert fragment in str(err.value)
 
 
+def test_windows_editors_are_fine(tmp_path: Path) -> None:
+    path = tmp_path / "hosts"
+    path.write_bytes("\ufeffworker-1 slots=2\r\n# c\r\n\tworker-2\tslots=1\r\n".encode())
+    assert [(h.name, h.slots) for h in parse_hostfile(path)] == [("worker-1", (0, 1)), ("worker-2", (0,))]
+
+
+def test_ipv6_and_user_at_host_get_a_hint() -> None:
+    for text in ("fe80::1 slots=1\n", "alice@node slots=1\n"):
+        with pytest.raises(HostfileError, match="use an alias from ~/.ssh/config"):
+            parse_hostfile_text(text)
+
+
 def test_missing_hostfile_is_an_error(tmp_path: Path) -> None:
     with pytest.raises(HostfileError, match="does not exist"):
         parse_hostfile(tmp_path / "nope")

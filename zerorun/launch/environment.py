@@ -228,7 +228,7 @@ def read_env_file(path: str | Path) -> dict[str, tuple[str, str]]:
     """
     p = Path(path)
     try:
-        text = p.read_text(encoding="utf-8")
+        text = p.read_text(encoding="utf-8-sig")
     except (OSError, UnicodeDecodeError) as err:
         raise ConfigError(f"cannot read env file {p}: {err}") from err
     out: dict[str, tuple[str, str]] = {}

@@ -98,7 +98,7 @@ def parse_hostfile(path: str | Path) -> list[Host]:
     if not p.is_file():
         raise HostfileError(f"hostfile {path} is not a file (it is a directory or a device).")
     try:
-        text = p.read_text(encoding="utf-8")
+        text = p.read_text(encoding="utf-8-sig")  # -sig: a BOM from a Windows editor is dropped
     except (OSError, UnicodeDecodeError) as err:
         raise HostfileError(f"cannot read hostfile {path}: {err}") from err
     return parse_hostfile_text(text, source=str(path))
@@ -115,9 +115,14 @@ def parse_hostfile_text(text: str, *, source: str = "<hostfile>") -> list[Host]:
         tokens = line.split()
         name = tokens[0]
         if not is_valid_hostname(name):
+            hint = (
+                " For an IPv6 address or user@host, use an alias from ~/.ssh/config (HostName, User)."
+                if ":" in name or "@" in name
+                else ""
+            )
             raise HostfileError(
                 f"{where}: {name!r} is not a host name. Use letters, digits, '-', '_' and '.', "
-                "not starting with '-' (the line must read `HOST slots=N`)."
+                f"not starting with '-' (the line must read `HOST slots=N`).{hint}"
             )
         if name in seen:
             raise HostfileError(
