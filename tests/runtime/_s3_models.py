@@ -46,17 +46,18 @@ class S3Net(nn.Module):
         self.head = nn.Linear(DIM, VOCAB, bias=False)
         self.head.weight = self.emb.weight  # tied (root group)
         self.flip = False  # the data-dependent branch; the test sets it per step, same on all ranks
+        self.reentrant = False  # torch.utils.checkpoint's reentrant variant (same numerics)
 
     def forward(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         h = self.emb(ids)
         h = self.blocks[0](h)
         h = self.blocks[1](self.blocks[1](h))  # a module called twice
         if self.flip:
-            h = checkpoint(self.blocks[3], h, use_reentrant=False)
+            h = checkpoint(self.blocks[3], h, use_reentrant=self.reentrant)
             h = self.blocks[2](h)
         else:
             h = self.blocks[2](h)
-            h = checkpoint(self.blocks[3], h, use_reentrant=False)
+            h = checkpoint(self.blocks[3], h, use_reentrant=self.reentrant)
         h = torch.tanh(self.frozen(h))
         logits = self.head(self.norm(h))
         return F.cross_entropy(logits.float().view(-1, VOCAB), targets.view(-1))

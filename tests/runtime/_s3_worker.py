@@ -52,7 +52,9 @@ def gather_masters(engine) -> dict[str, torch.Tensor]:
     for layout, master in zip(st.layouts, st.masters, strict=True):
         full = torch.empty(layout.padded_numel, dtype=torch.float32)
         if layout.num_shards > 1:
-            dist.all_gather_into_tensor(full, master.detach().float().cpu().contiguous())  # gloo: host tensors
+            dist.all_gather_into_tensor(
+                full, master.detach().float().cpu().contiguous()
+            )  # gloo: host tensors
         else:
             full.copy_(master.detach().float())
         for slot in layout.slots:
@@ -99,7 +101,8 @@ def structure(engine) -> dict:
         "partitioned_numel": sum(g.numel for g in part),
         "rest_is_master": all(
             r.data_ptr() == st.state.masters[layout.index].data_ptr()
-            for g in part for layout, r in zip(g.layouts, g.at_rest, strict=True)
+            for g in part
+            for layout, r in zip(g.layouts, g.at_rest, strict=True)
         ),
         "master_bytes_total": sum(m.numel() * m.element_size() for m in st.state.masters),
         "persistent_bytes": sum(
@@ -151,6 +154,7 @@ def run_equivalence(
         model = M.make_model(seed + 7)  # different weights, replaced below
     else:
         model = M.make_model(seed)
+        model.reentrant = build == "reentrant"
     engine, *_ = zerorun.initialize(model=model, config=config(dtype, accum, clip))
     if build == "load":
         engine.module.load_state_dict(M.make_model(seed).state_dict())
@@ -334,6 +338,26 @@ def run_limits(rank: int, world: int) -> dict:
     return out
 
 
+def run_fp16_overflow(rank: int, world: int) -> dict:
+    """An inf loss on the last rank at step 1: every rank skips that step (the engine's rule,
+    through stage 3's gradient shards) and parameters stay exactly as they were."""
+    cfg = config("fp32", 1, CLIP)
+    cfg["fp16"] = {"enabled": True, "initial_scale_power": 10, "hysteresis": 1, "loss_scale_window": 100}
+    model = M.make_model(8)
+    engine, *_ = zerorun.initialize(model=model, config=cfg)
+    sums, scales = [], []
+    for step in range(3):
+        before = sum(float(m.double().sum()) for m in engine.stage.state.masters)
+        ids, tgt = M.batch(8, step, 0, rank, MICRO)
+        loss = engine(ids.to(engine.device), tgt.to(engine.device))
+        engine.backward(loss * float("inf") if (step == 1 and rank == world - 1) else loss)
+        engine.step()
+        sums.append([before, sum(float(m.double().sum()) for m in engine.stage.state.masters)])
+        scales.append(engine.get_loss_scale())
+    engine.destroy()
+    return {"skipped": engine.skipped_steps, "sums": sums, "scales": scales}
+
+
 def run_order_check(rank: int, world: int) -> dict:
     """Ranks taking different branches in one step: the debug check names the modules."""
     cfg = config("fp32", 1, 0.0)
@@ -367,7 +391,7 @@ def main() -> None:
                 r["seconds"] = time.monotonic() - t
                 results[name] = r
         if world > 1:
-            for build in ("init", "load"):
+            for build in ("init", "load", "reentrant"):
                 r = run_equivalence(f"{build}-bf16", "bf16", 1, CLIP, rank, world, build=build)
                 if r is not None:
                     results[f"build-{build}"] = r
@@ -376,6 +400,7 @@ def main() -> None:
                 "gathered": lambda: run_gathered(rank, world),
                 "safetensors": lambda: run_safetensors(rank, world, tmp_shared),
                 "limits": lambda: run_limits(rank, world),
+                "fp16_overflow": lambda: run_fp16_overflow(rank, world),
                 "order_check": lambda: run_order_check(rank, world),
             }
             for key, fn in extras.items():

@@ -27,7 +27,7 @@ HERE = Path(__file__).resolve().parent
 WORLDS = tuple(int(w) for w in os.environ.get("ZR_S3_WORLDS", "1,2,4").split(","))
 MULTI = [w for w in WORLDS if w > 1]
 CASES = [f"{d}-ga{a}-clip{c}" for d in ("fp32", "bf16") for a in (1, 4) for c in ("0", "0.05")]
-BUILDS = ["build-init", "build-load"]
+BUILDS = ["build-init", "build-load", "build-reentrant"]
 
 
 @pytest.fixture(scope="module")
@@ -105,11 +105,18 @@ def test_memory_at_rest(results, world: int) -> None:  # noqa: ANN001
             assert x["rest_is_master"]
             mem = next(iter(x["memory"].values()))
             if name.startswith("fp32"):  # fp32 training keeps no separate master
-                assert mem["params"] == x["at_rest_bytes"] + x["persistent_bytes"] + x["frozen_bytes"], (name, mem)
+                assert mem["params"] == x["at_rest_bytes"] + x["persistent_bytes"] + x["frozen_bytes"], (
+                    name,
+                    mem,
+                )
                 assert mem["master"] == 0
             else:
                 assert mem["params"] == x["persistent_bytes"] + x["frozen_bytes"], (name, mem)
-                assert mem["master"] == x["master_bytes_total"] == x["at_rest_bytes"] + x["persistent_bytes"] * 2 // world
+                assert (
+                    mem["master"]
+                    == x["master_bytes_total"]
+                    == x["at_rest_bytes"] + x["persistent_bytes"] * 2 // world
+                )
             assert mem["grads"] == x["grad_shard_bytes"], (name, mem)
             if world > 1:
                 assert mem["buffers"] > 0, "gathered parameters / staging not accounted"
@@ -161,3 +168,14 @@ def test_order_check_names_modules(results, world: int) -> None:  # noqa: ANN001
     for x in results(world)["order_check"]:
         assert x["raised"], "divergent ranks were not detected"
         assert "blocks.2" in x["message"] and "blocks.3" in x["message"]
+
+
+@pytest.mark.parametrize("world", MULTI)
+def test_fp16_overflow_on_one_rank_skips_everywhere(results, world: int) -> None:  # noqa: ANN001
+    xs = results(world)["fp16_overflow"]
+    for x in xs:
+        assert x["skipped"] == 1
+        before, after = x["sums"][1]
+        assert before == after, "parameters changed on the skipped step"
+        assert x["sums"][0][0] != x["sums"][0][1] and x["sums"][2][0] != x["sums"][2][1]
+        assert x["scales"] == [1024.0, 512.0, 512.0]  # hysteresis 1: halved at once
