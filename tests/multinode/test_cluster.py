@@ -369,3 +369,13 @@ def test_bad_hostfiles_and_hostile_hosts_via_cli(cluster, tmp_path: Path) -> Non
         if text is not None:
             assert str(hf) in out, (name, out)
     assert not pwned.exists()
+    # Bad selections and variables on the command line: clear errors before any connection.
+    options = {
+        "unknown host": (["--include", "node9"], "names host 'node9', which is not in hostfile"),
+        "too many nodes": (["--num_nodes", "4"], "--num_nodes 4 but only 3 node(s)"),
+        "plan variable": (["--env", "MASTER_ADDR=evil"], "MASTER_ADDR is set by the launcher"),
+        "unset variable": (["--env", "MN_NOT_SET_ANYWHERE"], "MN_NOT_SET_ANYWHERE is not set in the launcher's environment"),
+    }
+    for name, (extra, fragment) in options.items():
+        code, out = run_launcher(["--hostfile", hostfile(cluster), *COMMON, *extra, str(SCRIPT)], env=env, cwd=tmp_path, timeout=60)
+        assert code != 0 and fragment in out and "Traceback" not in out, (name, out)
