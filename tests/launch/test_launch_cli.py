@@ -94,6 +94,11 @@ def test_invalid_selectors(job: Path, capsys: pytest.CaptureFixture[str]) -> Non
     _bad(["--num_nodes", "2", "train.py"], capsys, job, "--num_nodes 2 needs --hostfile")
 
 
+def test_log_dir_not_creatable(job: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (job.parent / "afile").write_text("")
+    _bad(["--log_dir", "afile/logs", "train.py"], capsys, job, "--log_dir afile/logs: cannot create the directory")
+
+
 def test_busy_port(job: Path, capsys: pytest.CaptureFixture[str]) -> None:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

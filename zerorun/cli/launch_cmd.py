@@ -316,6 +316,11 @@ def _launch(options: LaunchOptions) -> int:
     if options.dry_run:
         _print_dry_run(plan, redact_env)
         return 0
+    if options.log_dir is not None:
+        try:
+            Path(options.log_dir).mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise LaunchError(f"--log_dir {options.log_dir}: cannot create the directory ({err.strerror or err}).") from None
 
     if multinode:
         try:
