@@ -66,15 +66,15 @@ class Init:
         from zerorun.runtime.stage3.model_io import install_state_dict_hooks
 
         ctx = init_distributed()
-        device = torch.device("cpu") if remote_device in ("cpu", "nvme") else ctx.device
+        store = torch.device("cpu") if remote_device in ("cpu", "nvme") else None
         group = data_parallel_group if data_parallel_group is not None else ctx.group
-        self.comm = Communicator(group, device)
+        self.comm = Communicator(group, ctx.device)
         if module is not None:
-            partition_module(module, self.comm)
+            partition_module(module, self.comm, store)
             install_state_dict_hooks(module)
             self.enabled = False  # nothing left to do as a context
             return
-        self._ctx = InitContext(self.comm)
+        self._ctx = InitContext(self.comm, store)
 
     @staticmethod
     def _check_stage(cfg: Any) -> None:

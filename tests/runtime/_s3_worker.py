@@ -213,11 +213,24 @@ def run_init_equal(rank: int, world: int) -> dict:
     gpt_ref = GPT(get_config("tiny")).state_dict()
     gpt_got = gpt.state_dict()
     gpt_same = all(torch.equal(gpt_got[k].float().cpu(), gpt_ref[k].float()) for k in gpt_ref)
+    # remote_device="cpu": slices kept in host memory; module=...: partition a built model
+    with zerorun.zero.Init(config=config("fp32", 1, 0.0), remote_device="cpu"):
+        torch.manual_seed(77)
+        on_host = M.S3Net()
+    host_ok = all(p._zerorun_init.shard.device.type == "cpu" for p in on_host.parameters())
+    host_same = all(torch.equal(v.float().cpu(), ref[k].float()) for k, v in on_host.state_dict().items())
+    built = M.make_model(77)
+    zerorun.zero.Init(module=built)
+    module_same = all(p.numel() == 0 or hasattr(p, "_zerorun_init") for p in built.parameters()) and all(
+        torch.equal(v.float().cpu(), ref[k].float()) for k, v in built.state_dict().items()
+    )
     shard_numel = sum(p._zerorun_init.shard_numel for p in model.parameters())
     total = sum(v.numel() for v in ref.values() if True)
     return {
         "placeholders": placeholders,
         "gpt_same": gpt_same,
+        "host_ok": host_ok and host_same,
+        "module_same": module_same,
         "same": same,
         "shapes_ok": shapes_ok,
         "shard_numel": shard_numel,

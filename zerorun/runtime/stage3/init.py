@@ -61,15 +61,16 @@ _INIT_FUNCS = (
 class InitShard:
     """This rank's slice of one parameter partitioned by ``zero.Init``."""
 
-    def __init__(self, p: nn.Parameter, comm: Communicator) -> None:
+    def __init__(self, p: nn.Parameter, comm: Communicator, store_device: torch.device | None = None) -> None:
         flat = p.detach().reshape(-1)
-        self.comm = comm
+        self.comm = comm  # collectives run on the training device (NCCL cannot gather host tensors)
+        store = comm.device if store_device is None else store_device
         self.shape = torch.Size(p.shape)
         self.dtype = p.dtype
         self.numel = flat.numel()
         self.shard_numel = max(1, math.ceil(self.numel / comm.world_size))
         start = comm.rank * self.shard_numel
-        self.shard = torch.zeros(self.shard_numel, dtype=p.dtype, device=comm.device)
+        self.shard = torch.zeros(self.shard_numel, dtype=p.dtype, device=store)
         piece = flat[start : start + self.shard_numel]
         self.shard[: piece.numel()].copy_(piece)
         # Until initialize: a placeholder of the right shape (init code branches on p.dim() and
@@ -90,7 +91,7 @@ class InitShard:
     def materialize(self) -> torch.Tensor:
         """The full flattened values (collective: every rank, same parameters, same order)."""
         full = torch.empty(self.shard_numel * self.comm.world_size, dtype=self.dtype, device=self.comm.device)
-        self.comm.all_gather(full, self.shard).wait()
+        self.comm.all_gather(full, self.shard.to(self.comm.device)).wait()
         return full[: self.numel]
 
     def write_full(self, values: torch.Tensor) -> None:
@@ -112,13 +113,13 @@ class InitShard:
             del p._zerorun_init  # type: ignore[attr-defined]
 
 
-def partition_module(module: nn.Module, comm: Communicator) -> int:
+def partition_module(module: nn.Module, comm: Communicator, store_device: torch.device | None = None) -> int:
     """Partition every parameter of ``module`` not partitioned yet; returns how many."""
     n = 0
     for p in module.parameters():
         if p.numel() == 0 or hasattr(p, "_zerorun_init") or hasattr(p, "_zerorun_group"):
             continue
-        InitShard(p, comm)
+        InitShard(p, comm, store_device)
         n += 1
     return n
 
@@ -157,8 +158,9 @@ class InitContext:
 
     active: InitContext | None = None
 
-    def __init__(self, comm: Communicator) -> None:
+    def __init__(self, comm: Communicator, store_device: torch.device | None = None) -> None:
         self.comm = comm
+        self.store_device = store_device
         self._depth: dict[int, int] = {}
         self._saved: list[tuple[Any, str, Any]] = []
 
@@ -184,7 +186,7 @@ class InitContext:
             if ctx._depth[key] == 0:
                 del ctx._depth[key]
                 if InitContext.active is ctx:
-                    partition_module(module, ctx.comm)
+                    partition_module(module, ctx.comm, ctx.store_device)
                     install_state_dict_hooks(module)
 
         __init__._zerorun_wrapped = True  # type: ignore[attr-defined]
