@@ -240,6 +240,13 @@ def test_console_rendering() -> None:
     rich.refresh()
     rich.end(result)
     assert "[bold]not markup[/bold]" in rich_out.getvalue() and "job failed" in rich_out.getvalue()
+    # multi-node prefixes look like markup tags; the live panel must print them as they are
+    two = _plan([Host("node1", (0,)), Host("node2", (0,))])
+    rich_out.truncate(0)
+    rich.begin(two, [RankState(spec) for spec in two.ranks])
+    rich.refresh()
+    rich.stop()
+    assert "[node2:1]" in rich_out.getvalue()
 
 
 class ScriptedRunner:

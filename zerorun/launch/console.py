@@ -14,6 +14,7 @@ Rendering only; the supervisor owns the state. Two implementations of one interf
 from __future__ import annotations
 
 import sys
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import IO, Any, Literal
 
@@ -229,8 +230,11 @@ class RichConsole:
         self._prefixes: dict[int, str] = {}
 
     def begin(self, plan: LaunchPlan, states: Sequence[RankState]) -> None:
+        import time
+
         from rich.live import Live
 
+        self._t0 = time.monotonic()
         self.plan = plan
         self.states = states
         self._prefixes = {s.rank: _prefix(plan, s.rank) for s in states}
@@ -243,15 +247,23 @@ class RichConsole:
         self._live.start()
 
     def _panel(self) -> Any:
-        from rich.table import Table
+        import time
 
-        table = Table(box=None, pad_edge=False, header_style="bold", expand=False)
+        from rich.table import Table
+        from rich.text import Text
+
+        counts = Counter(s.state for s in self.states)
+        elapsed = time.monotonic() - self._t0
+        caption = ", ".join(f"{n} {state}" for state, n in counts.items()) + f" | {elapsed:.0f} s"
+        table = Table(box=None, pad_edge=False, header_style="bold", expand=False, caption=caption,
+                      caption_justify="left")
         for col in ("rank", "state", "pid", "GPU alloc/reserved/peak", "RSS", "progress"):
             table.add_column(col)
         for s in self.states:
             style = self._styles.get(s.rank, "")
             table.add_row(
-                f"[{style}]{self._prefixes.get(s.rank, s.rank)}[/]",
+                # Text, not markup: a `[host:3]` prefix would read as a style tag.
+                Text(self._prefixes.get(s.rank, str(s.rank)), style=style),
                 s.state if s.returncode is None else _exit_cell(s),
                 str(s.pid or "-"),
                 _gpu_cell(s),
