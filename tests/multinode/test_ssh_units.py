@@ -158,3 +158,26 @@ def test_preflight_answers_are_checked() -> None:
     assert "cannot import zerorun" in errors["d"]
     assert "the remote interpreter /opt/py/bin/python does not exist there" in errors["e"]
     assert "did not answer within 0.2 s" in errors["f"]
+
+
+def test_device_check_against_the_nodes_gpus() -> None:
+    from zerorun.launch.ssh import check_devices
+
+    hosts = parse_hostfile_text("n1 slots=2\nn2 slots=4\n")
+    no_local_gpu = DeviceInfo(gpus=(), cores=2)
+    cuda = build_plan(LaunchOptions(target=Target(script="t.py"), device="cuda"), hosts, no_local_gpu,
+                      master_port=1, run_id="r")
+    assert cuda.device == "cuda" and cuda.nodes[1].visible_devices == ("0", "1", "2", "3")
+    check_devices(cuda, {"n1": {"gpus": 2}, "n2": {"gpus": 8}}, auto=False)
+    with pytest.raises(LaunchError, match=r"n2 has 2 GPU\(s\), but the job uses its slot\(s\) 0, 1, 2, 3"):
+        check_devices(cuda, {"n1": {"gpus": 2}, "n2": {"gpus": 2}}, auto=False)
+    cpu = build_plan(LaunchOptions(target=Target(script="t.py")), hosts, no_local_gpu, master_port=1, run_id="r")
+    assert cpu.device == "cpu"
+    with pytest.raises(LaunchError, match="the nodes have GPUs \\(n2\\) but this machine has none"):
+        check_devices(cpu, {"n1": {"gpus": 0}, "n2": {"gpus": 8}}, auto=True)
+    check_devices(cpu, {"n1": {"gpus": 0}, "n2": {"gpus": 8}}, auto=False)  # --device cpu: as asked
+    check_devices(cpu, {"n1": {"gpus": 0}, "n2": {"gpus": 0}}, auto=True)
+    # A job with a local node still needs local GPUs for --device cuda.
+    with pytest.raises(LaunchError, match="no GPU is visible"):
+        build_plan(LaunchOptions(target=Target(script="t.py"), device="cuda"),
+                   parse_hostfile_text("localhost slots=1\nn2 slots=1\n"), no_local_gpu, master_port=1, run_id="r")

@@ -159,6 +159,7 @@ def hello(msg: dict[str, Any]) -> dict[str, Any]:
         "server_addr": conn[2] if len(conn) == 4 else None,
         "port": None,
         "error": None,
+        "gpus": _gpu_count(),
     }
     script = msg.get("script")
     if script and not os.path.isfile(script):
@@ -178,6 +179,16 @@ def hello(msg: dict[str, Any]) -> dict[str, Any]:
             )
         info["port"] = int(port)
     return info
+
+
+def _gpu_count() -> int:
+    """NVIDIA GPUs of this node, from their device files (no CUDA, no torch: the preflight
+    stays fast)."""
+    try:
+        names = os.listdir("/dev")
+    except OSError:
+        return 0
+    return sum(1 for n in names if n.startswith("nvidia") and n[6:].isdigit())
 
 
 def _port_in_use(port: int) -> bool:

@@ -324,7 +324,7 @@ def build_plan(
     k = options.k
     if k < 1:
         raise LaunchError(f"--ranks_per_gpu must be at least 1 (got {k}).")
-    device = _resolve_device(options, devices)
+    device = _resolve_device(options, devices, any_local=any(h.is_local for h in hosts))
     if device == "cpu" and k != 1:
         raise LaunchError(
             f"--ranks_per_gpu {k} needs GPUs, but the job runs on CPU. On CPU, --num_gpus N "
@@ -394,11 +394,13 @@ def _cvd_note(devices: DeviceInfo) -> str:
     return " (limited by CUDA_VISIBLE_DEVICES)" if devices.from_env else ""
 
 
-def _resolve_device(options: LaunchOptions, devices: DeviceInfo) -> Literal["cuda", "cpu"]:
+def _resolve_device(options: LaunchOptions, devices: DeviceInfo, *, any_local: bool = True) -> Literal["cuda", "cpu"]:
     if options.device == "cpu":
         return "cpu"
     if options.device == "cuda":
-        if not devices.gpus:
+        # Launching GPU nodes from a machine without GPUs (a login node) is fine: the SSH
+        # preflight checks the nodes' GPUs instead.
+        if not devices.gpus and any_local:
             raise LaunchError(
                 "--device cuda, but no GPU is visible"
                 + (" (CUDA_VISIBLE_DEVICES is empty)" if devices.from_env else "")

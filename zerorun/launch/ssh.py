@@ -717,6 +717,7 @@ def prepare(plan: Any, options: Any, *, ssh: SshOptions | None = None) -> tuple[
         script=plan.target.script,
     )
     try:
+        check_devices(plan, pf.hellos, auto=getattr(options, "device", None) in (None, "auto"))
         plan = plan.with_master(pf.master_addr, pf.master_port)
         plan = _with_cwd(plan, pf.cwd)
         runners: list[Any] = []
@@ -729,6 +730,35 @@ def prepare(plan: Any, options: Any, *, ssh: SshOptions | None = None) -> tuple[
     except BaseException:
         pf.close()
         raise
+
+
+def check_devices(plan: Any, hellos: dict[str, dict[str, Any]], *, auto: bool) -> None:
+    """The plan's device against the GPUs each node reported: a slot beyond a node's GPUs is
+    an error, and so is a CPU job on GPU nodes that only happened because the launcher's own
+    machine has no GPU (`--device auto` on a login node)."""
+    problems: list[str] = []
+    gpu_nodes: list[str] = []
+    for node in plan.nodes:
+        hello = hellos.get(node.host.name)
+        if hello is None:
+            continue
+        gpus = int(hello.get("gpus") or 0)
+        if gpus:
+            gpu_nodes.append(node.host.name)
+        if plan.device == "cuda" and node.host.slots and max(node.host.slots) >= gpus:
+            problems.append(
+                f"{node.host.name} has {gpus} GPU(s), but the job uses its slot(s) "
+                f"{', '.join(map(str, node.host.slots))}; lower slots= in the hostfile or select "
+                "fewer with --include/--num_gpus."
+            )
+    if plan.device == "cpu" and auto and gpu_nodes:
+        problems.append(
+            f"the nodes have GPUs ({', '.join(gpu_nodes)}) but this machine has none, so the job "
+            "would run on CPU. Pass --device cuda to use the nodes' GPUs (or --device cpu to run "
+            "on CPU anyway)."
+        )
+    if problems:
+        raise LaunchError(_many("The device check", {str(i): p for i, p in enumerate(problems)}) + " Nothing was started.")
 
 
 def _with_cwd(plan: Any, cwd: str) -> Any:
