@@ -234,3 +234,24 @@ def test_deepspeed_style_script_gets_local_rank(tmp_path: Path) -> None:
     code, out, err, _ = run(["--num_gpus", "1", "--no_local_rank", str(script)])
     assert code == 0, err
     assert out.strip() == "[0] local_rank -1"
+
+
+def test_ranks_ignoring_sigterm_are_killed_after_the_grace_period(tmp_path: Path) -> None:
+    logs = tmp_path / "logs"
+    launch = start(["--num_gpus", "2", "--grace_period", "1", "--log_dir", str(logs), str(RANK_JOB)], env={"ZR_MODE": "ignore_term"})
+    try:
+        _wait_for_lines(launch, ["ready 0", "ready 1"], timeout=60)
+        t0 = time.monotonic()
+        launch.proc.send_signal(signal.SIGTERM)
+        _out, err = launch.proc.communicate(timeout=30)
+        assert launch.proc.returncode == 143
+        assert 1.0 <= time.monotonic() - t0 < 8
+        assert "grace period of 1 s is over; killing rank(s) 0, 1" in err
+        assert not wait_until_gone(launch.tag, 5)
+        summary = _summary(logs)
+        assert summary["reason"] == "interrupted"
+        assert [r["exit"].split(":")[0] for r in summary["ranks"]] == ["signal 9 (SIGKILL)"] * 2
+    finally:
+        kill_tagged(launch.tag)
+        launch.proc.kill()
+        launch.proc.wait(timeout=10)

@@ -75,6 +75,10 @@ def spawn_children() -> None:
 def main() -> None:
     if MODE == "hello":
         print(f"hello {RANK}/{WORLD} argv={sys.argv[1:]} name={__name__}")
+    elif MODE == "ignore_term":
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        print(f"ready {RANK}", flush=True)
+        time.sleep(120)
     elif MODE == "many":
         for i in range(20000):
             print(f"line {i} of rank {RANK}")
