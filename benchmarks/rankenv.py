@@ -56,6 +56,12 @@ def rank_context(device_pref: str = "auto", ranks_per_gpu: int | None = None) ->
         device, backend = torch.device("cpu"), "gloo"
     else:
         raise ValueError(f"unknown device {device_pref!r}: use auto, cuda or cpu")
+    # Tell zerorun what was decided (docs/architecture.md Contract 2), as its launcher would:
+    # under torchrun nothing else says that ranks share a GPU or that --device cpu was asked
+    # for, and zerorun.initialize would otherwise pick GPU LOCAL_RANK or CUDA.
+    env["ZERORUN_DEVICE"] = device.type
+    env["ZERORUN_BACKEND"] = backend
+    env["ZERORUN_RANKS_PER_GPU"] = str(k)
     return RankContext(rank, local_rank, world, k, device, backend)
 
 

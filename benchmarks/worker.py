@@ -111,8 +111,9 @@ def _make_trainer(
 
     try:
         return ZerorunTrainer(model, ds_config)
-    except (ImportError, AttributeError, NotImplementedError) as e:
-        # zerorun.initialize or a piece it needs does not exist yet: recorded, not fatal.
+    except (ModuleNotFoundError, NotImplementedError) as e:
+        # zerorun.initialize or a piece it needs does not exist yet: recorded as such. Any
+        # other exception is a real error and recorded as one.
         raise Unavailable(f"{type(e).__name__}: {e}") from e
 
 
