@@ -196,7 +196,8 @@ class LocalRunner:
         while not self._stop.is_set() and not all(r.done for r in self._ranks.values()):
             for key, _ in self._sel.select(timeout=poll_s if poll_s is not None else 1.0):
                 if isinstance(key.data, _Stream):
-                    self._read(key.data)
+                    if not self._ranks[key.data.rank].done:  # nothing after a rank's RankExit
+                        self._read(key.data)
                 elif isinstance(key.data, _Rank):
                     self._check_exit(key.data)
             if poll_s is not None or self._killed:
