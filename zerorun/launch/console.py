@@ -62,6 +62,13 @@ def _prefix(plan: LaunchPlan, rank: int) -> str:
     return f"[{rank}]"
 
 
+def _prefixes(plan: LaunchPlan, states: Sequence[RankState]) -> dict[int, str]:
+    """Every rank's prefix, padded to one width so the text after it lines up."""
+    raw = {s.rank: _prefix(plan, s.rank) for s in states}
+    width = max((len(p) for p in raw.values()), default=0)
+    return {r: p.ljust(width) for r, p in raw.items()}
+
+
 def _gpu_cell(s: RankState) -> str:
     if not s.gpu:
         return "-"
@@ -168,7 +175,7 @@ class PlainConsole:
 
     def begin(self, plan: LaunchPlan, states: Sequence[RankState]) -> None:
         self.plan = plan
-        self._prefixes = {s.rank: _prefix(plan, s.rank) for s in states}
+        self._prefixes = _prefixes(plan, states)
         self.note(
             f"run {plan.run_id}: {plan.world_size} rank(s) on {plan.device} ({plan.backend}), "
             f"master {plan.master_addr}:{plan.master_port}: {plan.target.display()}"
@@ -237,7 +244,7 @@ class RichConsole:
         self._t0 = time.monotonic()
         self.plan = plan
         self.states = states
-        self._prefixes = {s.rank: _prefix(plan, s.rank) for s in states}
+        self._prefixes = _prefixes(plan, states)
         self._styles = {s.rank: _COLOURS[s.rank % len(_COLOURS)] for s in states}
         self.note(
             f"run {plan.run_id}: {plan.world_size} rank(s) on {plan.device} ({plan.backend}), "
