@@ -52,16 +52,16 @@ def main() -> None:
         model=model, config=args.config, optimizer=None if _config_has_optimizer(args.config) else adamw
     )
     rank, world = engine.global_rank, engine.world_size
-    micro = engine.train_micro_batch_size_per_gpu
+    micro = engine.train_micro_batch_size_per_gpu()
     data = SyntheticTokens(cfg, micro, engine.device, seed=args.seed, rank=rank)
     if rank == 0:
         print(
-            f"GPT {args.size}: {count_parameters(cfg) / 1e6:.2f}M parameters, ZeRO stage {engine.zero_stage}, "
+            f"GPT {args.size}: {count_parameters(cfg) / 1e6:.2f}M parameters, ZeRO stage {engine.zero_optimization_stage()}, "
             f"{world} rank(s) on {engine.device.type}, micro batch {micro} x accumulation "
-            f"{engine.gradient_accumulation_steps} x {world} = {engine.train_batch_size} sequences/step",
+            f"{engine.gradient_accumulation_steps()} x {world} = {engine.train_batch_size()} sequences/step",
             flush=True,
         )
-    tokens_per_step = engine.train_batch_size * cfg.seq_len
+    tokens_per_step = engine.train_batch_size() * cfg.seq_len
     micro_step = 0
     start = time.perf_counter()
     first_loss = last_loss = None
@@ -71,7 +71,7 @@ def main() -> None:
         engine.backward(loss)
         engine.step()
         micro_step += 1
-        if micro_step % engine.gradient_accumulation_steps == 0:
+        if micro_step % engine.gradient_accumulation_steps() == 0:
             step = engine.global_steps
             if step == 1 or step % args.log_every == 0 or step == args.steps:
                 value = loss.item()  # host sync, only when logging

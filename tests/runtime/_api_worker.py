@@ -215,7 +215,7 @@ def check_training_data_loader() -> None:
         train_batch_size=4,
     )
     engine, _, loader, _ = zerorun.initialize(model=model(), config=c, training_data=ds)
-    assert engine.train_micro_batch_size_per_gpu == 4 and loader.batch_size == 4
+    assert engine.train_micro_batch_size_per_gpu() == 4 and engine.train_batch_size() == 4 and loader.batch_size == 4
     assert isinstance(loader.sampler, torch.utils.data.distributed.DistributedSampler)
     n = 0
     for x, y in loader:

@@ -73,10 +73,7 @@ class Engine:
         self.lr_scheduler = lr_scheduler
         self.loss_scaler = scaler
         self.device = device
-        self.gradient_accumulation_steps = settings.grad_accum
-        self.train_micro_batch_size_per_gpu = settings.micro_batch
-        self.train_batch_size = settings.train_batch
-        self.zero_stage = settings.stage
+        self._accum = settings.grad_accum
         self.micro_steps = 0
         self.global_steps = 0
         self.global_samples = 0
@@ -84,6 +81,7 @@ class Engine:
         self._grad_norm: torch.Tensor | None = None
         self._last_loss: torch.Tensor | None = None
         self._last_status = time.monotonic()
+        self._step_applied = False
         self._backward_since_step = False
         self._compute_dtype = settings.policy.param_dtype
         events = _events()
@@ -115,9 +113,9 @@ class Engine:
         self._backward_since_step = True
         self.stage.begin_backward(
             boundary=self.is_gradient_accumulation_boundary(),
-            first_micro=self.micro_steps % self.gradient_accumulation_steps == 0,
+            first_micro=self.micro_steps % self._accum == 0,
         )
-        factor = self.loss_scaler.scale / self.gradient_accumulation_steps
+        factor = self.loss_scaler.scale / self._accum
         scaled = loss * factor if factor != 1.0 else loss
         scaled.backward(retain_graph=retain_graph)
         self.stage.end_backward()
@@ -126,7 +124,7 @@ class Engine:
 
     # -- step ---------------------------------------------------------------------------------
     def is_gradient_accumulation_boundary(self) -> bool:
-        return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
+        return (self.micro_steps + 1) % self._accum == 0
 
     def step(self) -> None:
         # Idempotent; needed when the script called loss.backward() itself (the hooks still
@@ -147,6 +145,7 @@ class Engine:
         if self.settings.fp16:
             # Host sync: deciding to skip the step needs the value (fp16 only).
             overflow = not bool(torch.isfinite(norm).item())
+        self._step_applied = not overflow
         if overflow:
             self.skipped_steps += 1
         else:
@@ -219,6 +218,23 @@ class Engine:
 
     def named_parameters(self, *args: Any, **kwargs: Any) -> Any:
         return self.module.named_parameters(*args, **kwargs)
+
+    # DeepSpeed exposes the batch arithmetic as methods; so does zerorun.
+    def gradient_accumulation_steps(self) -> int:
+        return self.settings.grad_accum
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.settings.micro_batch
+
+    def train_batch_size(self) -> int:
+        return self.settings.train_batch
+
+    def zero_optimization_stage(self) -> int:
+        return self.settings.stage
+
+    def was_step_applied(self) -> bool:
+        """False when the last optimizer step was skipped (fp16 overflow)."""
+        return self._step_applied
 
     def get_global_grad_norm(self) -> float | None:
         """Norm of the last step's gradients (before clipping). Reading it is a host sync."""
