@@ -4,6 +4,9 @@ branch used only on some ranks, sizes not divisible by 4) and the single-process
 The reference is plain PyTorch on the same global batch. For bf16/fp16 it follows the same
 recipe as the runtime: a 16-bit compute copy, fp32 master weights, each micro-batch's 16-bit
 gradients accumulated in fp32, averaged over ranks, fp16 loss scaling with skipped steps.
+One deliberate difference from a bare PyTorch loop: a trainable parameter that no micro-batch
+used (TinyNet.never) gets a zero gradient and is still stepped (AdamW's weight decay), which is
+DeepSpeed's (and zerorun's) semantics; bare PyTorch would skip a parameter whose grad is None.
 """
 
 from __future__ import annotations
