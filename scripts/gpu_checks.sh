@@ -7,8 +7,6 @@
 #   3. examples/gpt.py through the launcher: 1 rank on the GPU (NCCL), and 2 ranks sharing it;
 #   4. the ZeRO stage 3 tests the same two ways; 5. stage-3 memory at rest per rank vs 16Ψ/N.
 #
-# Also stage 3's matrix in the same two modes and its memory at rest (16Ψ/N).
-#
 # Results (logs, junit XML, a summary) go under $OUT (default ./gpu_checks_out). Needs torch with
 # CUDA, pytest, and zerorun's dependencies (pydantic, typer, rich, pyyaml; paramiko is not used
 # here). PYTHON selects the interpreter (default: python3).
@@ -55,14 +53,6 @@ run offload_shared_gloo env ZERORUN_BACKEND=gloo \
   --junitxml="$OUT/offload_shared_gloo.xml"
 run offload_units "$PY" -m pytest -q -p no:cacheprovider tests/runtime/test_offload_units.py \
   --junitxml="$OUT/offload_units.xml"
-# Stage 3 (tests/runtime/test_stage3.py, its own matrix): same two modes, and memory at rest.
-run s3_world1_nccl env ZERORUN_BACKEND=nccl ZERORUN_DEBUG_COLLECTIVES=1 ZR_S3_WORLDS=1 \
-  "$PY" -m pytest -q -p no:cacheprovider tests/runtime/test_stage3.py --junitxml="$OUT/s3_world1_nccl.xml"
-run s3_shared_gloo env ZERORUN_BACKEND=gloo ZR_S3_WORLDS=2,4 \
-  "$PY" -m pytest -q -p no:cacheprovider tests/runtime/test_stage3.py --junitxml="$OUT/s3_shared_gloo.xml"
-if [ -f tests/runtime/_s3_gpu_memory.py ]; then
-  run s3_memory_w4 env OUT="$OUT" "$PY" -m zerorun --num_gpus 4 --ranks_per_gpu 4 tests/runtime/_s3_gpu_memory.py --size 350M
-fi
 # 3. the README's example through the launcher.
 run gpt_1gpu_nccl "$PY" -m zerorun --num_gpus 1 examples/gpt.py --config templates/zero2.yaml --size 125M --seq_len 1024 --steps 30
 run gpt_2ranks_shared "$PY" -m zerorun --num_gpus 2 --ranks_per_gpu 2 examples/gpt.py --config templates/zero2.yaml --steps 20
