@@ -14,7 +14,9 @@ only on GPU jobs, which need it to pick the device):
 - connects the event channel (`zerorun.launch.events`), reports an uncaught exception as an
   `error` event, and sends a `memory` event every `zerorun.memory_report_interval` seconds of
   the config (default 5; `ZERORUN_MEMORY_REPORT_INTERVAL` overrides it) and at exit;
-- on GPU jobs calls `torch.cuda.set_device(LOCAL_RANK // ZERORUN_RANKS_PER_GPU)`.
+- on GPU jobs calls `torch.cuda.set_device(LOCAL_RANK // ZERORUN_RANKS_PER_GPU)`;
+- with `ZERORUN_DEEPSPEED_COMPAT=1` (`zerorun --deepspeed-compat`) makes `import deepspeed`
+  resolve to zerorun's compatibility layer (`zerorun.compat`, stdlib-only until imported).
 
 It does not create the process group: `zerorun.initialize` creates one only if the script has
 not (torchrun-style scripts that call `init_process_group` themselves run unchanged). The
@@ -65,6 +67,11 @@ def main(argv: list[str] | None = None) -> None:
         # for the channel.
         os.environ.pop(events.ENV_VAR, None)
     _select_device()
+    if os.environ.get("ZERORUN_DEEPSPEED_COMPAT") == "1":
+        # `zerorun --deepspeed-compat`: `import deepspeed` is zerorun's layer (Contract 8).
+        from zerorun.compat import activate
+
+        activate()
     interval = _memory_interval()
     if events.connected() and interval > 0:
         threading.Thread(target=_report_memory, args=(interval,), name="zerorun-memory", daemon=True).start()

@@ -105,6 +105,12 @@ def launch(
     no_local_rank: bool = typer.Option(
         False, "--no-local-rank", help="Never pass --local_rank=N (passed only to scripts that declare it)."
     ),
+    deepspeed_compat: bool = typer.Option(
+        False,
+        "--deepspeed-compat",
+        help="`import deepspeed` in the ranks is zerorun's DeepSpeed layer (DeepSpeed scripts, HF Trainer "
+        "--deepspeed); every script gets --local_rank=N.",
+    ),
     version: bool = typer.Option(False, "--version", is_eager=True, callback=_version, help="Show the version."),
 ) -> None:
     """Start a job: every rank runs SCRIPT (or -m MODULE) with torchrun's environment."""
@@ -148,6 +154,7 @@ def launch(
         remote_cwd=remote_cwd,
         env=tuple(env or ()),
         pass_local_rank=not no_local_rank,
+        deepspeed_compat=True if deepspeed_compat else None,
     )
     code = _run(options)
     raise typer.Exit(code)
@@ -346,17 +353,22 @@ def _launch(options: LaunchOptions) -> int:
 
 
 def _local_rank_arg(options: LaunchOptions) -> str | None:
-    if not options.pass_local_rank or options.target.script is None:
+    if not options.pass_local_rank:
         return None
+    # DeepSpeed's launcher passes --local_rank=N to every script; with --deepspeed-compat so do
+    # we (HF scripts take it through TrainingArguments, not an add_argument we could see).
+    fallback = "--local_rank" if options.deepspeed_compat else None
+    if options.target.script is None:
+        return fallback
     from zerorun.launch.plan import declared_local_rank_arg
 
     path = Path(options.target.script)
     if path.is_dir():
         path = path / "__main__.py"
     try:
-        return declared_local_rank_arg(path.read_text(encoding="utf-8", errors="replace"))
+        return declared_local_rank_arg(path.read_text(encoding="utf-8", errors="replace")) or fallback
     except OSError:
-        return None
+        return fallback
 
 
 def _check_target(target: Target) -> None:

@@ -41,6 +41,11 @@ class LauncherSection(Section):
         description="Per-host environment variables, e.g. `{worker-2: {GLOO_SOCKET_IFNAME: eth1}}`.",
     )
     log_dir: str | None = field(None, "Directory for per-rank log files (none when unset).")
+    deepspeed_compat: bool | None = field(
+        None,
+        "`import deepspeed` in the ranks resolves to zerorun's DeepSpeed compatibility layer, and every "
+        "script gets `--local_rank=N` (as `zerorun --deepspeed-compat`).",
+    )
 
     @field_validator("env")
     @classmethod

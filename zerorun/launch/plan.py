@@ -101,11 +101,14 @@ class LaunchOptions:
     env: tuple[str, ...] = ()  # --env KEY=VAL / KEY, verbatim
     run_id: str | None = None
     pass_local_rank: bool = True  # to scripts that declare --local_rank (DeepSpeed style)
+    # `import deepspeed` in the ranks is zerorun's layer; also `--local_rank=N` to every script
+    # (DeepSpeed's launcher behaviour). None: not given (the config's launcher section decides).
+    deepspeed_compat: bool | None = None
 
     # Fields the config's `launcher:` section may fill when the command line left them out.
     MERGEABLE = (
         "num_gpus", "num_nodes", "hostfile", "include", "exclude", "master_addr", "master_port",
-        "device", "ranks_per_gpu", "pg_timeout", "hang_timeout", "log_dir",
+        "device", "ranks_per_gpu", "pg_timeout", "hang_timeout", "log_dir", "deepspeed_compat",
     )
 
     def merged(self, section: Mapping[str, object], *, base_dir: Path | None = None) -> LaunchOptions:
@@ -178,6 +181,8 @@ class LaunchPlan:
     # DeepSpeed's launcher passes `--local_rank=N` to every script; zerorun does when the
     # script declares that argument (None: the script does not, as with torchrun scripts).
     local_rank_arg: str | None = None
+    # `import deepspeed` in the ranks is zerorun's compatibility layer (ZERORUN_DEEPSPEED_COMPAT).
+    deepspeed_compat: bool = False
 
     @property
     def ranks(self) -> list[RankSpec]:
@@ -225,6 +230,8 @@ class LaunchPlan:
             env["ZERORUN_CONFIG"] = self.config_path
         if event_fd is not None:
             env["ZERORUN_EVENT_FD"] = str(event_fd)
+        if self.deepspeed_compat:
+            env["ZERORUN_DEEPSPEED_COMPAT"] = "1"
         return env
 
     def defaults_env(self, node_rank: int, base: Mapping[str, str]) -> dict[str, str]:
@@ -372,6 +379,7 @@ def build_plan(
         cwd=cwd or os.getcwd(),
         omp_threads=omp,
         local_rank_arg=local_rank_arg,
+        deepspeed_compat=bool(options.deepspeed_compat),
     )
 
 

@@ -1,0 +1,202 @@
+"""Making `import deepspeed` resolve to zerorun's compatibility layer, inside one process.
+
+Two entries at the front of ``sys.meta_path`` (stdlib only, nothing imported until a script
+asks for ``deepspeed``):
+
+* ``AliasFinder``: ``deepspeed`` and ``deepspeed.X.Y`` are the modules
+  ``zerorun.compat.deepspeed`` and ``zerorun.compat.deepspeed.X.Y`` -- the *same* module
+  objects under both names, so classes compare equal whichever name imported them
+  (accelerate does ``isinstance(model, deepspeed.DeepSpeedEngine)``). A name the layer does
+  not have raises ModuleNotFoundError naming it, instead of a bare "No module named".
+* ``DistributionFinder``: ``importlib.metadata`` sees a distribution ``deepspeed`` with version
+  ``COMPAT_VERSION``. transformers and accelerate count DeepSpeed as available only when
+  ``find_spec("deepspeed")`` *and* ``metadata("deepspeed")`` both succeed, and gate features on
+  the version; nothing is ever installed under the name deepspeed.
+
+When a real DeepSpeed is installed as well, ``activate`` says once (rank 0) that this process
+uses the layer, not that installation.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.metadata
+import importlib.util
+import os
+import sys
+from collections.abc import Iterator, Sequence
+from types import ModuleType
+from typing import Any
+
+__all__ = [
+    "COMPAT_VERSION",
+    "ENV_VAR",
+    "AliasFinder",
+    "DistributionFinder",
+    "activate",
+    "deactivate",
+    "is_active",
+    "real_deepspeed",
+]
+
+# The version transformers/accelerate read. It decides which of their optional paths run
+# (accelerate 1.15): >=0.9.3 is required at all; >=0.3.1 maps offload optimizers with
+# `adamw_mode`; >=0.14.4 makes `torch_compile` call `engine.compile` (so it reaches this layer
+# and gets a clear answer instead of being skipped silently); >=0.16.4 lets DeepSpeed-TP
+# configs reach `deepspeed.tp_model_init` (which says TP is not supported) instead of an
+# "upgrade DeepSpeed" message. 0.18.2 (Ulysses sequence parallelism) is deliberately not
+# reached: accelerate then refuses SP before touching anything, which is true of zerorun too.
+COMPAT_VERSION = "0.16.4+zerorun"
+ENV_VAR = "ZERORUN_DEEPSPEED_COMPAT"
+_ROOT = "deepspeed"
+_TARGET = "zerorun.compat.deepspeed"
+# Names that are attributes in DeepSpeed and that scripts also import as modules.
+_ALIASES = {"deepspeed.zero": "zerorun.compat.deepspeed.runtime.zero"}
+
+
+def _target_of(fullname: str) -> str:
+    if fullname in _ALIASES:
+        return _ALIASES[fullname]
+    return _TARGET + fullname[len(_ROOT) :]
+
+
+class _AliasLoader(importlib.abc.Loader):
+    """Loads ``deepspeed.X`` by importing ``zerorun.compat.deepspeed.X`` and handing over that
+    very module object (its own ``__name__``/``__spec__`` are kept)."""
+
+    def __init__(self, target: str) -> None:
+        self.target = target
+        self._own_spec: Any = None
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:
+        module = importlib.import_module(self.target)
+        self._own_spec = module.__spec__
+        return module
+
+    def exec_module(self, module: ModuleType) -> None:
+        # Already executed under its zerorun name; the import system has just given it the
+        # alias spec: put its own back (reload, pickling and find_spec of the zerorun name).
+        module.__spec__ = self._own_spec
+
+
+class AliasFinder(importlib.abc.MetaPathFinder):
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None = None, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        if fullname != _ROOT and not fullname.startswith(_ROOT + "."):
+            return None
+        real = _target_of(fullname)
+        if real in sys.modules:
+            found = True
+        else:
+            try:
+                found = importlib.util.find_spec(real) is not None
+            except ModuleNotFoundError:
+                found = False
+        if not found:
+            raise ModuleNotFoundError(
+                f"{fullname} is not part of zerorun's DeepSpeed compatibility layer "
+                f"(`import deepspeed` resolves to zerorun.compat.deepspeed, version {COMPAT_VERSION}); "
+                "docs/migration-from-deepspeed.md lists what it provides",
+                name=fullname,
+            )
+        is_package = importlib.util.find_spec(real).submodule_search_locations is not None  # type: ignore[union-attr]
+        return importlib.machinery.ModuleSpec(fullname, _AliasLoader(real), is_package=is_package)
+
+
+class _CompatDistribution(importlib.metadata.Distribution):
+    """The metadata of the layer, as a distribution named deepspeed (no files on disk)."""
+
+    _METADATA = (
+        "Metadata-Version: 2.1\n"
+        "Name: deepspeed\n"
+        f"Version: {COMPAT_VERSION}\n"
+        "Summary: zerorun's DeepSpeed compatibility layer (not DeepSpeed)\n"
+        "Home-page: https://github.com/zerorun/zerorun\n"
+        "Author: zerorun\n"
+        "License: Apache-2.0\n"
+    )
+
+    def read_text(self, filename: str) -> str | None:
+        if filename in ("METADATA", "PKG-INFO"):
+            return self._METADATA
+        if filename == "top_level.txt":
+            return "deepspeed\n"
+        return None
+
+    def locate_file(self, path: Any) -> Any:
+        import pathlib
+
+        return pathlib.Path(__file__).parent / "deepspeed" / str(path)
+
+
+class DistributionFinder(importlib.abc.MetaPathFinder):
+    def find_spec(self, *_args: Any, **_kwargs: Any) -> None:
+        return None  # metadata only; modules come from AliasFinder
+
+    def find_distributions(
+        self, context: importlib.metadata.DistributionFinder.Context = importlib.metadata.DistributionFinder.Context()
+    ) -> Iterator[importlib.metadata.Distribution]:
+        name = getattr(context, "name", None)
+        if name is None or name.lower().replace("_", "-") == _ROOT:
+            yield _CompatDistribution()
+
+
+_alias = AliasFinder()
+_dists = DistributionFinder()
+
+
+def is_active() -> bool:
+    return _alias in sys.meta_path
+
+
+def real_deepspeed() -> tuple[str, str] | None:
+    """(version, location) of a DeepSpeed installed in this environment, ignoring the layer."""
+    was_active = is_active()
+    if was_active:
+        deactivate()
+    try:
+        dist = importlib.metadata.distribution(_ROOT)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    finally:
+        if was_active:
+            _install()
+    where = str(dist.locate_file(""))
+    return dist.version, where
+
+
+def _install() -> None:
+    for finder in (_dists, _alias):
+        if finder not in sys.meta_path:
+            sys.meta_path.insert(0, finder)
+
+
+def activate(*, announce: bool = True) -> None:
+    """From now on `import deepspeed` in this process is zerorun's layer. Idempotent."""
+    if is_active():
+        return
+    real = real_deepspeed()
+    loaded = sys.modules.get(_ROOT)
+    if loaded is not None and not getattr(loaded, "__name__", "").startswith(_TARGET):
+        raise ImportError(
+            "the real deepspeed was already imported in this process before zerorun's compatibility "
+            "layer was activated; activate it first (zerorun --deepspeed-compat does so before the script runs)"
+        )
+    _install()
+    if announce and real is not None and os.environ.get("RANK", "0") == "0":
+        version, where = real
+        sys.stderr.write(
+            f"zerorun: `import deepspeed` in this job is zerorun's compatibility layer ({COMPAT_VERSION}), "
+            f"not the DeepSpeed {version} installed at {where}; to use that one, launch with `deepspeed` "
+            "instead of `zerorun --deepspeed-compat`\n"
+        )
+
+
+def deactivate() -> None:
+    """Remove the finders (tests). Modules already imported as deepspeed.* stay in sys.modules."""
+    for finder in (_alias, _dists):
+        while finder in sys.meta_path:
+            sys.meta_path.remove(finder)

@@ -1,0 +1,409 @@
+"""``deepspeed.initialize`` and ``DeepSpeedEngine``: DeepSpeed's engine surface over zerorun's.
+
+``initialize`` resolves DeepSpeed's ways of passing a config (``config``, ``config_params``,
+``args.deepspeed_config``, or the launcher's), calls ``zerorun.initialize`` and wraps the
+zerorun ``Engine`` in a ``DeepSpeedEngine``: an ``nn.Module`` holding the model as ``.module``,
+as DeepSpeed's engine is (accelerate unwraps it with ``isinstance`` + ``.module``, and walks
+``_modules``).
+
+Gradient accumulation. A DeepSpeed script calls ``backward`` then ``step`` for every
+micro-batch and the engine finds the boundary by counting. accelerate instead announces it --
+``set_gradient_accumulation_boundary(sync)`` before every ``backward`` -- and calls ``step``
+only at the boundary, with a short last window at the end of an epoch. Both are handled here
+by counting the micro-batches of the current window (``_window``): the first micro-batch of a
+window starts a fresh accumulation, the boundary (announced, or the ``gas``-th micro-batch)
+reduces, and the next ``step`` runs zerorun's model step (norm, clip, optimizer, scheduler,
+zero) on the inner engine. ``scale_wrt_gas=False`` (Trainer's loss is already divided by the
+accumulation steps) skips the 1/gas factor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections import OrderedDict
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from zerorun.compat.deepspeed._surface import missing, unsupported
+from zerorun.errors import RuntimeConfigError
+
+__all__ = ["DeepSpeedEngine", "initialize"]
+
+
+def _config_dict(args: Any, config: Any, config_params: Any) -> dict[str, Any]:
+    """The config as DeepSpeed users pass it -> a plain dict (``engine.config``)."""
+    given = config if config is not None else config_params
+    from_args = None
+    if args is not None:
+        from_args = getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None)
+    if given is not None and from_args is not None:
+        raise RuntimeConfigError(
+            "deepspeed.initialize got a config twice: args.deepspeed_config and config=...; pass one "
+            "(DeepSpeed refuses this too)"
+        )
+    source = given if given is not None else from_args
+    if source is None:
+        text = os.environ.get("ZERORUN_CONFIG_JSON")
+        if text:
+            return dict(json.loads(text))
+        source = os.environ.get("ZERORUN_CONFIG")
+    if source is None:
+        raise RuntimeConfigError(
+            "deepspeed.initialize has no config: pass config=PATH_OR_DICT, args with --deepspeed_config, or "
+            "give the script's --deepspeed/--deepspeed_config argument to zerorun"
+        )
+    if isinstance(source, dict):
+        return source
+    from zerorun.config import load_config
+
+    if isinstance(source, (str, Path)):
+        return load_config(source).config.to_dict()
+    return getattr(source, "config", source).to_dict()
+
+
+def _elementwise_standin(optimizer: Any) -> bool:
+    """Optimizers of this layer (deepspeed.ops.adam) are torch Adam with DeepSpeed's
+    constructor: elementwise, though not torch's own class."""
+    from zerorun.compat.deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
+
+    return type(optimizer) in (DeepSpeedCPUAdam, FusedAdam)
+
+
+def _evaluation_only_optimizer(groups: Any) -> torch.optim.Optimizer:
+    # zerorun's engine always has an optimizer; DeepSpeed's may have none (ZeRO-3 inference,
+    # Trainer.evaluate before train). SGD without momentum keeps no state; the engine wrapper
+    # refuses backward/step, so it never runs.
+    return torch.optim.SGD(groups, lr=0.0)
+
+
+def initialize(
+    args: Any = None,
+    model: nn.Module | None = None,
+    optimizer: Any = None,
+    model_parameters: Any = None,
+    training_data: Any = None,
+    lr_scheduler: Any = None,
+    distributed_port: int | None = None,
+    mpu: Any = None,
+    dist_init_required: bool | None = None,
+    collate_fn: Any = None,
+    config: Any = None,
+    mesh_param: Any = None,
+    config_params: Any = None,
+) -> tuple[DeepSpeedEngine, Any, Any, Any]:
+    """``deepspeed.initialize``: returns ``(engine, optimizer, training_dataloader, lr_scheduler)``."""
+    del distributed_port, dist_init_required
+    if mesh_param is not None:
+        unsupported("deepspeed.initialize(mesh_param=...)", "device meshes (sequence/tensor parallelism) are not supported")
+    import zerorun
+
+    cfg = _config_dict(args, config, config_params)
+    runtime_cfg = cfg
+    if optimizer is not None and _elementwise_standin(optimizer):
+        runtime_cfg = dict(cfg, zero_allow_untested_optimizer=True)
+    evaluation_only = optimizer is None and not cfg.get("optimizer")
+    if evaluation_only:
+        optimizer = _evaluation_only_optimizer
+    engine, opt, loader, sched = zerorun.initialize(
+        model=model,
+        optimizer=optimizer,
+        model_parameters=model_parameters,
+        training_data=training_data,
+        lr_scheduler=lr_scheduler,
+        mpu=mpu,
+        collate_fn=collate_fn,
+        config=runtime_cfg,
+    )
+    ds_engine = DeepSpeedEngine(engine, cfg, training_dataloader=loader, evaluation_only=evaluation_only)
+    return ds_engine, (None if evaluation_only else opt), loader, sched
+
+
+class DeepSpeedEngine(nn.Module):
+    """DeepSpeed's engine over a zerorun ``Engine`` (``.zerorun_engine``)."""
+
+    def __init__(
+        self, engine: Any, config: dict[str, Any], *, training_dataloader: Any = None, evaluation_only: bool = False
+    ) -> None:
+        super().__init__()
+        self.module = engine.module
+        # Not a submodule attribute: the inner engine is no nn.Module and owns no parameters.
+        self.__dict__["_engine"] = engine
+        self.__dict__["_config"] = config
+        self.training_dataloader = training_dataloader
+        self._evaluation_only = evaluation_only
+        self._window = 0  # micro-batches backpropagated in the current accumulation window
+        self._window_closed = False  # the last backward was the window's boundary
+        self._explicit_boundary: bool | None = None
+        self._no_sync = False
+        self._step_applied = False
+        if not evaluation_only:
+            # DeepSpeed's ZeRO optimizers carry `overflow`; accelerate reads it after each step
+            # to decide whether the Trainer's scheduler steps.
+            engine.optimizer.overflow = False
+
+    # -- what is not here ----------------------------------------------------------------------
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name.startswith("__") and name.endswith("__"):
+                raise
+        raise missing(f"deepspeed.DeepSpeedEngine.{name}")
+
+    # -- forward -------------------------------------------------------------------------------
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self._engine.forward(*args, **kwargs)
+
+    # -- backward / step -----------------------------------------------------------------------
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """From now on the caller says which micro-batch ends a window (accelerate does)."""
+        self._explicit_boundary = bool(is_boundary)
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        if self._no_sync:
+            return False
+        if self._explicit_boundary is not None:
+            return self._explicit_boundary
+        return self._window + 1 >= self._engine.settings.grad_accum
+
+    def _require_training(self, what: str) -> None:
+        if self._evaluation_only:
+            raise RuntimeConfigError(
+                f"engine.{what}(): this engine was initialized without an optimizer (evaluation only); give "
+                "deepspeed.initialize an optimizer or an `optimizer` config section to train"
+            )
+
+    def backward(
+        self,
+        loss: torch.Tensor,
+        allreduce_gradients: bool = True,
+        release_loss: bool = False,
+        retain_graph: bool = False,
+        scale_wrt_gas: bool = True,
+    ) -> torch.Tensor:
+        self._require_training("backward")
+        if not allreduce_gradients:
+            unsupported("engine.backward(allreduce_gradients=False)", "use engine.no_sync() (stages 0-1)")
+        del release_loss
+        inner = self._engine
+        boundary = self.is_gradient_accumulation_boundary()
+        inner.stage.begin_backward(boundary=boundary, first_micro=self._window == 0)
+        factor = inner.loss_scaler.scale
+        if scale_wrt_gas:
+            factor = factor / inner.settings.grad_accum
+        scaled = loss * factor if factor != 1.0 else loss
+        scaled.backward(retain_graph=retain_graph)
+        inner.stage.end_backward()
+        inner._last_loss = loss.detach()  # the status event's loss
+        inner.micro_steps += 1
+        inner.global_samples += inner.settings.micro_batch * inner.world_size
+        self._window += 1
+        self._window_closed = boundary
+        return loss
+
+    def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
+        """At the end of a window: zerorun's model step. Between: nothing (as DeepSpeed)."""
+        self._require_training("step")
+        if lr_kwargs:
+            unsupported("engine.step(lr_kwargs=...)", "schedulers take no step arguments in zerorun")
+        inner = self._engine
+        inner.stage.end_backward()
+        self._step_applied = False
+        if not self._window_closed:
+            return
+        skipped = inner.skipped_steps
+        # The inner engine's step without its micro-batch counting (done in backward here).
+        inner._take_model_step()
+        overflow = inner.skipped_steps != skipped
+        inner.optimizer.overflow = overflow
+        self._step_applied = not overflow
+        self._window = 0
+        self._window_closed = False
+
+    def was_step_applied(self) -> bool:
+        return self._step_applied
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate without reducing (stages 0-1, as in DeepSpeed)."""
+        if self._engine.settings.stage >= 2:
+            raise RuntimeConfigError(
+                f"engine.no_sync() is incompatible with gradient partitioning (ZeRO stage {self._engine.settings.stage}); "
+                "DeepSpeed refuses it too: accumulate with gradient_accumulation_steps instead"
+            )
+        previous, self._no_sync = self._no_sync, True
+        try:
+            yield
+        finally:
+            self._no_sync = previous
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._engine.zero_grad()
+
+    def get_global_grad_norm(self) -> float | None:
+        return self._engine.get_global_grad_norm()
+
+    # -- DeepSpeed's read-outs -----------------------------------------------------------------
+    @property
+    def zerorun_engine(self) -> Any:
+        return self._engine
+
+    @property
+    def config(self) -> dict[str, Any]:
+        return self._config
+
+    @property
+    def optimizer(self) -> Any:
+        return None if self._evaluation_only else self._engine.optimizer
+
+    @property
+    def lr_scheduler(self) -> Any:
+        return self._engine.lr_scheduler
+
+    @property
+    def device(self) -> torch.device:
+        return self._engine.device
+
+    @property
+    def local_rank(self) -> int:
+        return int(os.environ.get("LOCAL_RANK", "0"))
+
+    @property
+    def global_rank(self) -> int:
+        return self._engine.global_rank
+
+    @property
+    def world_size(self) -> int:
+        return self._engine.world_size
+
+    @property
+    def dp_world_size(self) -> int:
+        return self._engine.world_size
+
+    @property
+    def mp_world_size(self) -> int:
+        return 1
+
+    @property
+    def global_steps(self) -> int:
+        return self._engine.global_steps
+
+    @property
+    def global_samples(self) -> int:
+        return self._engine.global_samples
+
+    @property
+    def micro_steps(self) -> int:
+        return self._engine.micro_steps
+
+    @property
+    def skipped_steps(self) -> int:
+        return self._engine.skipped_steps
+
+    def train_batch_size(self) -> int:
+        return self._engine.settings.train_batch
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self._engine.settings.micro_batch
+
+    def gradient_accumulation_steps(self) -> int:
+        return self._engine.settings.grad_accum
+
+    def zero_optimization_stage(self) -> int:
+        return self._engine.settings.stage
+
+    def zero_optimization(self) -> bool:
+        return self._engine.settings.stage > 0
+
+    def zero_optimization_partition_weights(self) -> bool:
+        return self._engine.settings.stage >= 3
+
+    def fp16_enabled(self) -> bool:
+        return bool(self._engine.settings.fp16)
+
+    def bf16_enabled(self) -> bool:
+        return self._engine.settings.policy.param_dtype == torch.bfloat16 and not self._engine.settings.fp16
+
+    def gradient_clipping(self) -> float:
+        return self._engine.settings.gradient_clipping
+
+    def get_lr(self) -> list[float]:
+        return self._engine.get_lr()
+
+    def get_loss_scale(self) -> float:
+        return self._engine.get_loss_scale()
+
+    def memory_summary(self) -> dict[str, dict[str, int]]:
+        return self._engine.memory_summary()
+
+    # -- checkpoints and weights ---------------------------------------------------------------
+    def save_checkpoint(
+        self,
+        save_dir: str,
+        tag: Any = None,
+        client_state: dict[str, Any] | None = None,
+        save_latest: bool = True,
+        exclude_frozen_parameters: bool = False,
+    ) -> bool:
+        return self._engine.save_checkpoint(
+            save_dir, tag, client_state or {}, save_latest, exclude_frozen_parameters
+        )
+
+    def load_checkpoint(
+        self,
+        load_dir: str,
+        tag: Any = None,
+        load_module_strict: bool = True,
+        load_optimizer_states: bool = True,
+        load_lr_scheduler_states: bool = True,
+        load_module_only: bool = False,
+        custom_load_fn: Any = None,
+    ) -> tuple[str | None, dict[str, Any] | None]:
+        if custom_load_fn is not None:
+            unsupported("engine.load_checkpoint(custom_load_fn=...)", "zerorun loads its own shard format only")
+        result = self._engine.load_checkpoint(
+            load_dir,
+            tag,
+            load_optimizer_states=load_optimizer_states and not self._evaluation_only,
+            load_lr_scheduler_states=load_lr_scheduler_states,
+            load_module_only=load_module_only or self._evaluation_only,
+            load_module_strict=load_module_strict,
+        )
+        self._window, self._window_closed = 0, False
+        return result
+
+    def save_16bit_model(
+        self, save_dir: str, save_filename: str = "pytorch_model.bin", exclude_frozen_parameters: bool = False
+    ) -> bool:
+        return self._engine.save_16bit_model(save_dir, save_filename, exclude_frozen_parameters)
+
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        zero = self._config.get("zero_optimization") or {}
+        return bool(zero.get("stage3_gather_16bit_weights_on_model_save", False))
+
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict[str, Any] | None:
+        """The full weights in the compute dtype on rank 0 (None elsewhere, as DeepSpeed).
+        Collective: the stage-3 ``state_dict`` gathers one parameter at a time."""
+        if self._engine.settings.stage != 3:
+            raise ValueError("this function requires ZeRO-3 mode")
+        state = self.module.state_dict()
+        if exclude_frozen_parameters:
+            frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
+            state = OrderedDict((k, v) for k, v in state.items() if k not in frozen)
+        return state if self.global_rank == 0 else None
+
+    def destroy(self) -> None:
+        self._engine.destroy()
+
+    def compile(self, *args: Any, **kwargs: Any) -> None:
+        unsupported(
+            "engine.compile()",
+            "torch.compile of the engine is not supported by zerorun yet: turn off torch_compile (Trainer) "
+            "or compile submodules of your model before deepspeed.initialize",
+        )

@@ -1,0 +1,103 @@
+"""``deepspeed.runtime.zero.partition_parameters``: ``Init`` and ``GatheredParameters``, plus
+the constructor wrapper transformers patches around ``from_pretrained``.
+
+zerorun's ``zero.Init`` partitions each module's parameters when its ``__init__`` returns
+(runtime/stage3/init.py); it does not wrap torch's tensor constructors as DeepSpeed's does, so
+parameters keep the dtype they were created in and ``zero_wrapper_for_fp_tensor_constructor``
+is not called by zerorun. It is here, with DeepSpeed's behaviour, for code that patches it
+(transformers' ``prevent_arange_dtype_change``) or calls it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from zerorun import zero as _zero
+from zerorun.compat.deepspeed._surface import module_getattr
+from zerorun.compat.deepspeed.accelerator import get_accelerator
+from zerorun.errors import RuntimeConfigError
+
+__all__ = [
+    "Init",
+    "GatheredParameters",
+    "register_external_parameter",
+    "zero_wrapper_for_fp_tensor_constructor",
+    "get_accelerator",
+]
+
+_orig_torch_arange = torch.arange
+GatheredParameters = _zero.GatheredParameters
+register_external_parameter = _zero.register_external_parameter
+__getattr__ = module_getattr(__name__)
+
+
+def _stage_of(cfg: Any) -> int:
+    if isinstance(cfg, dict):
+        zero = cfg.get("zero_optimization") or {}
+        return int(zero.get("stage", 0)) if isinstance(zero, dict) else 0
+    if isinstance(cfg, (str, Path)):
+        from zerorun.config import load_config
+
+        return int(load_config(cfg).config.zero_optimization.stage)
+    zero = getattr(getattr(cfg, "config", cfg), "zero_optimization", None)
+    return int(getattr(zero, "stage", 0))
+
+
+class Init(_zero.Init):
+    """``deepspeed.zero.Init``. The config only has to say stage 3 here (it is validated in
+    full by ``deepspeed.initialize``); the process group is created if none exists."""
+
+    def __init__(
+        self,
+        module: torch.nn.Module | None = None,
+        data_parallel_group: Any = None,
+        mem_efficient_linear: bool = True,
+        remote_device: str | None = None,
+        pin_memory: bool = False,
+        config_dict_or_path: Any = None,
+        config: Any = None,
+        enabled: bool = True,
+        dtype: Any = None,
+        mpu: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        if mpu is not None:
+            raise RuntimeConfigError("deepspeed.zero.Init(mpu=...): model parallelism is not supported by zerorun")
+        cfg = config if config is not None else config_dict_or_path
+        if enabled and cfg is not None and _stage_of(cfg) != 3:
+            raise RuntimeConfigError(
+                f"deepspeed.zero.Init partitions parameters, which only ZeRO stage 3 keeps partitioned: the "
+                f"config has zero_optimization.stage {_stage_of(cfg)}. Set stage: 3, or build the model "
+                "without zero.Init."
+            )
+        super().__init__(
+            module=module,
+            data_parallel_group=data_parallel_group,
+            mem_efficient_linear=mem_efficient_linear,
+            remote_device=remote_device,
+            pin_memory=pin_memory,
+            enabled=enabled,
+            dtype=dtype,
+            **kwargs,
+        )
+
+
+def zero_wrapper_for_fp_tensor_constructor(
+    fn: Callable[..., torch.Tensor], target_fp_dtype: torch.dtype, target_device: Any = None
+) -> Callable[..., torch.Tensor]:
+    """DeepSpeed's constructor wrapper: the tensor on ``target_device`` (default: this rank's
+    device), floating results cast to ``target_fp_dtype``."""
+
+    def wrapped_fn(*args: Any, **kwargs: Any) -> torch.Tensor:
+        if kwargs.get("device") is None:
+            kwargs["device"] = target_device if target_device is not None else get_accelerator().current_device_name()
+        tensor = fn(*args, **kwargs)
+        if tensor.is_floating_point():
+            tensor = tensor.to(target_fp_dtype)
+        return tensor
+
+    return wrapped_fn
