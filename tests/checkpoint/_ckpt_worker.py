@@ -127,8 +127,11 @@ def main() -> int:
         report["save_error"] = str(err)
     report.update(scale_final=engine.get_loss_scale(), skipped_final=engine.skipped_steps)
     # after training: further loads with DeepSpeed's flags, reporting what each restored
-    for extra in spec.get("extra_saves", []):
-        engine.save_checkpoint(extra["dir"], **extra["kwargs"])
+    for i, extra in enumerate(spec.get("extra_saves", [])):
+        try:
+            engine.save_checkpoint(extra["dir"], **extra["kwargs"])
+        except CheckpointError as err:
+            report[f"extra_save{i}"] = str(err)
     for i, extra in enumerate(spec.get("extra_loads", [])):
         exp_avg_before = _optim_sum(engine)
         try:

@@ -82,7 +82,10 @@ def test_resume_world1_stage0_matches_uninterrupted(reference, tmp_path):
     spec = {
         "stage": 0, "ckpt": str(reference["ckpt"]), "load": "", "steps_to": 6,
         # then, after step 6: DeepSpeed's partial loads
-        "extra_saves": [{"dir": str(tmp_path / "nofrozen"), "kwargs": {"exclude_frozen_parameters": True}}],
+        "extra_saves": [
+            {"dir": str(tmp_path / "nofrozen"), "kwargs": {"exclude_frozen_parameters": True}},
+            {"dir": str(tmp_path / "a_file" / "ckpt"), "kwargs": {}},  # cannot be created
+        ],
         "extra_loads": [
             {"tag": "global_step3", "flags": {"load_module_only": True}},
             {"tag": "global_step3", "flags": {"load_optimizer_states": False}},
@@ -91,8 +94,10 @@ def test_resume_world1_stage0_matches_uninterrupted(reference, tmp_path):
             {"dir": str(tmp_path / "nofrozen"), "tag": None, "flags": {"load_module_strict": False}},
         ],
     }
+    (tmp_path / "a_file").write_text("not a directory")
     results, out = _run(tmp_path, 1, spec, name="w1")
     _ok(results)
+    assert "cannot create" in out["extra_save1"] and "Not a directory" in out["extra_save1"]
     assert out["loaded"].endswith("global_step3") and out["steps_after_load"] == 3
     assert out["client_state"] == {"step": 3, "note": "resume me"}
     assert out["samples_after_load"] == 24

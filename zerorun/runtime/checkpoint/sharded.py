@@ -128,13 +128,20 @@ def save_checkpoint(
     tmp = atomic.tmp_dir_for(root, tag)
     final = root / tag
 
-    # Phase 1: rank 0 prepares an empty temporary directory.
+    # Phase 1: rank 0 prepares an empty temporary directory. Failures travel to every rank
+    # (a broadcast instead of a barrier), so no rank is left waiting for one that raised.
+    status: str | None = None
     if comm.rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        for stale in atomic.remove_stale_tmp_dirs(root):
-            log.warning("zerorun: removed %s, left by a checkpoint save that did not finish", stale)
-        tmp.mkdir()
-    comm.barrier()
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            for stale in atomic.remove_stale_tmp_dirs(root):
+                log.warning("zerorun: removed %s, left by a checkpoint save that did not finish", stale)
+            tmp.mkdir()
+        except OSError as err:
+            status = f"checkpoint save: cannot create {tmp}: {err.strerror}"
+    status = comm.broadcast_object(status)
+    if status is not None:
+        raise CheckpointError(status)
 
     # Phase 2: every rank writes its fragments and RNG state; rank 0 the metadata.
     meta.tag = tag
@@ -142,32 +149,38 @@ def save_checkpoint(
     meta.zerorun_version = zerorun.__version__
     fragments = view.checkpoint_fragments(for_load=False)
     meta.kinds = sorted({f.kind for f in fragments})  # identical on every rank (same engine)
-    if not tmp.is_dir():
-        raise CheckpointError(
-            f"checkpoint save: rank {comm.rank} does not see {tmp}, which rank 0 created; save_dir must be "
-            "a filesystem shared by all nodes"
-        )
-    write_rank_shard(
-        tmp, comm.rank, comm.world_size, fragments, on_half_written=lambda: atomic.maybe_crash(comm.rank, "mid_shard")
-    )
-    _save_pt(tmp / rng_file(comm.rank), capture_rng())
-    if comm.rank == 0:
-        state = dict(view.checkpoint_state())
-        state["client_state"] = dict(client_state or {})
-        _save_pt(tmp / ENGINE_STATE_FILE, state)
-        _write_text(tmp / META_FILE, meta.to_json())
-    # A rank that died before here makes this barrier raise on the others: the temporary
-    # directory stays behind (cleaned by the next save) and `latest` is untouched.
+    error: str | None = None
     try:
-        comm.barrier()
+        if not tmp.is_dir():
+            raise CheckpointError(
+                f"rank {comm.rank} does not see {tmp}, which rank 0 created; save_dir must be a "
+                "filesystem shared by all nodes"
+            )
+        write_rank_shard(
+            tmp, comm.rank, comm.world_size, fragments,
+            on_half_written=lambda: atomic.maybe_crash(comm.rank, "mid_shard"),
+        )
+        _save_pt(tmp / rng_file(comm.rank), capture_rng())
+        if comm.rank == 0:
+            state = dict(view.checkpoint_state())
+            state["client_state"] = dict(client_state or {})
+            _save_pt(tmp / ENGINE_STATE_FILE, state)
+            _write_text(tmp / META_FILE, meta.to_json())
+    except (OSError, CheckpointError) as err:  # disk full, permissions, ...
+        error = f"rank {comm.rank}: {err}"
+    # A rank that died before here makes this collective raise on the others. Either way the
+    # temporary directory stays behind (cleaned by the next save) and `latest` is untouched.
+    untouched = f"the previous checkpoint and {root / 'latest'} are untouched"
+    try:
+        errors = [e for e in comm.all_gather_object(error) if e is not None]
     except RuntimeError as err:
         raise CheckpointError(
-            f"checkpoint save to {final} failed: a rank stopped before its files were written ({err}); "
-            f"the previous checkpoint and {root / 'latest'} are untouched"
+            f"checkpoint save to {final} failed: a rank stopped before its files were written ({err}); {untouched}"
         ) from err
+    if errors:
+        raise CheckpointError(f"checkpoint save to {final} failed: {'; '.join(errors[:4])}; {untouched}")
 
     # Phase 3: rank 0 commits: rename into place, then `latest`.
-    status: str | None = None
     if comm.rank == 0:
         try:
             atomic.maybe_crash(0, "before_commit")
