@@ -222,6 +222,7 @@ def run_case(case: oc.OCase, rank: int, world: int, nvme_dir: str) -> dict | Non
         "placement": type(placement).__name__,
         "max_tiles": max((len(t) for t in getattr(placement, "tiles", [])), default=0),
         "delayed_steps": getattr(placement, "delayed_steps", 0),
+        "early_steps": getattr(placement, "early_steps", 0),
         "steps_taken": getattr(placement, "steps", 0),
         "skipped_steps": engine.skipped_steps,
         "memory": memory,

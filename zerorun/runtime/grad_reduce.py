@@ -22,6 +22,7 @@ of two).
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -48,7 +49,14 @@ class GradReducer:
         self._reported = [0] * n
         self._written: list[list[bool]] = [[False] * len(layout.slots) for layout in flat.layouts]
         self._next = 0
-        self._pending: deque[Pending] = deque()
+        self._pending: deque[tuple[int, Pending]] = deque()  # (flat buffer index, its collective)
+        self._launching = 0
+        self._tracked = False
+        # Called with a flat buffer's index once this rank's reduced gradient of it is final for
+        # the step: at the accumulation boundary, after its collective completed (the Pending
+        # waited: ordered into the caller's stream on CUDA), or right away when nothing is
+        # issued (one rank). An offload placement starts the CPU step there (Contract 6).
+        self.on_grad_ready: Callable[[int], None] | None = None
         self._open = False
         self.boundary = True
         self.first_micro = True
@@ -78,10 +86,10 @@ class GradReducer:
         self._in_backward = False
         for i in range(self._next, len(self.flat.layouts)):
             self._fill_unwritten(i)
-            self._launch(i)
+            self._issue(i)
         self._next = len(self.flat.layouts)
         while self._pending:
-            self._pending.popleft().wait()
+            self._retire()
         self._open = False
 
     def grad_shards(self) -> list[torch.Tensor]:
@@ -120,16 +128,29 @@ class GradReducer:
     def _launch_ready(self) -> None:
         layouts = self.flat.layouts
         while self._next < len(layouts) and self._reported[self._next] == len(layouts[self._next].slots):
-            self._launch(self._next)
+            self._issue(self._next)
             self._next += 1
+
+    def _issue(self, i: int) -> None:
+        self._launching, self._tracked = i, False
+        self._launch(i)
+        if not self._tracked and self.boundary and self.on_grad_ready is not None:
+            self.on_grad_ready(i)  # nothing in flight for it: final already
+
+    def _retire(self) -> None:
+        i, pending = self._pending.popleft()
+        pending.wait()
+        if self.boundary and self.on_grad_ready is not None:
+            self.on_grad_ready(i)
 
     def _track(self, pending: Pending) -> None:
         self.launches += 1
         if self._in_backward:
             self.launched_during_backward += 1
-        self._pending.append(pending)
+        self._tracked = True
+        self._pending.append((self._launching, pending))
         while len(self._pending) > self.max_inflight:
-            self._pending.popleft().wait()
+            self._retire()
 
     def _accept(self, i: int, k: int, offset: int, numel: int, grad: torch.Tensor) -> None:
         raise NotImplementedError

@@ -63,6 +63,12 @@ class ShardPlacement:
         return None
 
     # Generic hooks with no-op defaults (an offload placement uses them):
+    def grad_ready(self, index: int, grad_shard: torch.Tensor, optimizer: Optimizer | None) -> None:
+        """Flat buffer ``index``'s reduced gradient shard is final for this step, during
+        backward, ordered into the caller's stream (the stage calls it when it can; it may not).
+        A placement may start copying it, and stepping it when the step needs no global norm."""
+        return None
+
     def synchronize(self) -> None:
         """Complete optimizer work still in flight (a delayed CPU step), so that masters and
         optimizer states are current. Called before anything reads or replaces them."""
@@ -143,6 +149,9 @@ class ShardedOptimizerState:
     def synchronize(self) -> None:
         """Masters and optimizer states current (see ShardPlacement.synchronize)."""
         self.placement.synchronize()
+
+    def grad_ready(self, index: int, grad_shard: torch.Tensor) -> None:
+        self.placement.grad_ready(index, grad_shard, self.optimizer)
 
     def step(self, grad_shards: Sequence[torch.Tensor]) -> None:
         assert self.optimizer is not None

@@ -140,6 +140,9 @@ def build_flat_stage(
     )
     flat.bind()
     reducer = _REDUCERS[stage](flat, comm, policy.reduce_dtype)
+    # A reduced gradient final during backward goes to the placement at once (offload may start
+    # the CPU step there; the default placement ignores it).
+    reducer.on_grad_ready = lambda i: state.grad_ready(i, reducer.grad_shards()[i])
     return FlatStage(stage, flat, reducer, state, comm)
 
 

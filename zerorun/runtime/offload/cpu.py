@@ -29,8 +29,9 @@ class CpuPlacement(HostPlacement):
     def _state_tensor(self, index: int, key: str) -> torch.Tensor:
         return torch.zeros_like(self.masters[index])
 
-    def _tile_views(self, job: StepJob) -> Iterator[TileView]:
-        for i, master in enumerate(self.masters):
+    def _tile_views(self, job: StepJob, indices: list[int]) -> Iterator[TileView]:
+        for i in indices:
+            master = self.masters[i]
             state = job.states[i] or {}
             for k, (a, b) in enumerate(self.tiles[i]):
                 vmax = state.get("max_exp_avg_sq")

@@ -231,13 +231,13 @@ class NvmePlacement(HostPlacement):
             self._sets = [{k: aligned_empty(n) for k in keys} for _ in range(self.buffer_count)]
         return self._sets
 
-    def _tile_views(self, job: StepJob) -> Iterator[TileView]:
+    def _tile_views(self, job: StepJob, indices: list[int]) -> Iterator[TileView]:
         amsgrad = any(h is not None and h.amsgrad for h in job.hypers)
         keys = ("master", "exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if amsgrad else ())
         sets = self._buffers(keys)
         order = [
             (i, k, a, b)
-            for i in range(len(self.masters))
+            for i in indices
             if job.states[i] is not None
             for k, (a, b) in enumerate(self.tiles[i])
         ]

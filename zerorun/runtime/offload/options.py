@@ -44,6 +44,9 @@ class OffloadOptions:
     delayed_warmup: int = 0
     cpu_threads: int = 0  # 0: automatic (cores_per_rank)
     stage: int = 0
+    # The step needs no global norm (no clipping, no fp16 overflow check): a flat buffer's CPU
+    # step may start during backward, as soon as its reduced gradient is final.
+    early_start: bool = False
 
     @property
     def cpu_tile(self) -> int:
@@ -108,4 +111,6 @@ def options_from_settings(settings: Any) -> OffloadOptions:
         delayed_warmup=int(_get(extra, "delayed_param_update_warmup", 0)),
         cpu_threads=int(_get(extra, "offload_cpu_threads", 0)),
         stage=stage,
+        early_start=not float(getattr(settings, "gradient_clipping", 0.0) or 0.0) > 0
+        and not bool(getattr(settings, "fp16", False)),
     )

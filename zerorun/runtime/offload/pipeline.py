@@ -98,8 +98,11 @@ class HostPlacement(ShardPlacement):
         self._last_up: Event = None  # orders every earlier copy of that stream too
         self._in_step = False
         self._launch: StepJob | None = None
+        self._early: StepJob | None = None  # a step started during backward (grad_ready)
+        self._early_work: list[tuple[int, Any]] = []  # (flat buffer, its worker future)
         self.steps = 0  # optimizer steps taken (delayed ones included)
         self.delayed_steps = 0
+        self.early_steps = 0  # steps whose CPU work started during backward
 
     # -- storage (subclasses) -----------------------------------------------------------------
     def _new_master(self, index: int, numel: int, fp32_init: Callable[[], torch.Tensor]) -> torch.Tensor:
@@ -111,7 +114,8 @@ class HostPlacement(ShardPlacement):
     def _tile_size(self) -> int:
         return self.opts.cpu_tile
 
-    def _tile_views(self, job: StepJob) -> Iterator[TileView]:
+    def _tile_views(self, job: StepJob, indices: list[int]) -> Iterator[TileView]:
+        """Tiles of the masters ``indices``, in order."""
         raise NotImplementedError
 
     def _prepare_storage(self, job: StepJob) -> None:
@@ -141,16 +145,45 @@ class HostPlacement(ShardPlacement):
         self._fresh.append(False)
         return master
 
-    def grad_for_step(self, index: int, grad_shard: torch.Tensor, master: torch.Tensor) -> torch.Tensor:
-        self.runner.join()  # a delayed step may still be reading self.grads
-        if not self._in_step:
+    def grad_ready(self, index: int, grad_shard: torch.Tensor, optimizer: Optimizer | None) -> None:
+        """During backward (the stage's reduction hook): with no clipping and no fp16 check the
+        step of a flat buffer needs nothing but its own gradient, so copy it down and queue its
+        CPU step now; the CPU then works while the GPU finishes the backward. (With clipping the
+        step must wait for the global norm: grad_for_step.)"""
+        if not self.opts.early_start or optimizer is None or not supports_tiles(optimizer):
+            return
+        if self._early is None:
+            if self.delay.delayed(self.steps, tiled=True, optimizer_name=type(optimizer).__name__):
+                return  # the delayed step runs after write_back instead
+            self.runner.join()
             self._in_step = True
-            self._ready = self.copier.ready()
+            self._early = self._prepare(optimizer, True)
+            self._early_work = []
+        if any(i == index for i, _ in self._early_work):
+            return
+        self._ready = self.copier.ready()  # after the reduction, on the stream that waited for it
+        self._copy_down(index, grad_shard)
+        job = self._early
+        future = self.runner.submit(lambda: self._update(job, push=False, indices=[index]), queue=True)
+        self._early_work.append((index, future))
+
+    def _copy_down(self, index: int, grad_shard: torch.Tensor) -> None:
         host = self.grads[index]
         src = grad_shard.reshape(-1)
         self._grad_ev[index] = [self.copier.to_host(host[a:b], src[a:b], self._ready) for a, b in self.tiles[index]]
         self._last_down = self._grad_ev[index][-1]
-        return host
+
+    def grad_for_step(self, index: int, grad_shard: torch.Tensor, master: torch.Tensor) -> torch.Tensor:
+        if self._early is not None:
+            if not any(i == index for i, _ in self._early_work):
+                self._copy_down(index, grad_shard)  # no reduction hook for this one
+            return self.grads[index]
+        self.runner.join()  # a delayed step may still be reading self.grads
+        if not self._in_step:
+            self._in_step = True
+            self._ready = self.copier.ready()
+        self._copy_down(index, grad_shard)
+        return self.grads[index]
 
     def before_step(self) -> None:
         # Later work on the training stream (zeroing the gradient shards) must not overtake the
@@ -158,6 +191,9 @@ class HostPlacement(ShardPlacement):
         self.copier.fence(self._last_down)
 
     def step(self, optimizer: Optimizer) -> None:
+        if self._early is not None:
+            self._finish_early()
+            return
         tiled = supports_tiles(optimizer)
         delayed = self.delay.delayed(self.steps, tiled=tiled, optimizer_name=type(optimizer).__name__)
         job = self._prepare(optimizer, tiled)
@@ -167,6 +203,35 @@ class HostPlacement(ShardPlacement):
             self.delayed_steps += 1
         else:
             self.runner.run(lambda: self._update(job, push=True))
+
+    def _finish_early(self) -> None:
+        """The backward is over: queue what had no hook, then copy each flat buffer up as soon
+        as its CPU step is done (overlapping the CPU work still running on later ones)."""
+        job, self._early = self._early, None
+        assert job is not None
+        self.steps += 1
+        self.early_steps += 1
+        done = {i for i, _ in self._early_work}
+        rest = [i for i in range(len(self.masters)) if i not in done]
+        if rest:
+            future = self.runner.submit(lambda: self._update(job, push=False, indices=rest), queue=True)
+            self._early_work += [(i, future) for i in rest]
+        self._ready = self.copier.ready()  # parameters may be written once the backward is done
+        for i, future in self._early_work:
+            future.result()
+            target = self._targets.get(i)
+            if target is not None and self._fresh[i]:
+                self._push(i, target)
+        self._early_work = []
+        self.runner.join()
+
+    def _push(self, index: int, dst: torch.Tensor) -> None:
+        flat = dst.reshape(-1)
+        for k, (a, b) in enumerate(self.tiles[index]):
+            self._up_ev[index][k] = self._last_up = self.copier.to_device(
+                flat[a:b], self.staging[index][a:b], self._ready
+            )
+        self._fresh[index] = False
 
     def write_back(self, index: int, master: torch.Tensor, dst: torch.Tensor) -> None:
         if not self._in_step:
@@ -186,12 +251,7 @@ class HostPlacement(ShardPlacement):
         )
         self._targets[index] = dst
         if self._fresh[index] or not same:
-            flat = dst.reshape(-1)
-            for k, (a, b) in enumerate(self.tiles[index]):
-                self._up_ev[index][k] = self._last_up = self.copier.to_device(
-                    flat[a:b], self.staging[index][a:b], self._ready
-                )
-            self._fresh[index] = False
+            self._push(index, dst)
 
     def after_write_back(self) -> None:
         self.copier.fence(self._last_up)
@@ -203,7 +263,7 @@ class HostPlacement(ShardPlacement):
 
     # -- generic hooks (Contract 6) ------------------------------------------------------------
     def synchronize(self) -> None:
-        self.runner.join()
+        self.runner.join()  # (a step started during backward completes in step(); not here)
 
     def close(self) -> None:
         self.runner.close()
@@ -238,8 +298,9 @@ class HostPlacement(ShardPlacement):
         self._prepare_storage(job)
         return job
 
-    def _update(self, job: StepJob, *, push: bool) -> None:
-        """Worker thread: the optimizer step, then staging (+ H2D when ``push``)."""
+    def _update(self, job: StepJob, *, push: bool, indices: list[int] | None = None) -> None:
+        """Worker thread: the optimizer step of the masters ``indices`` (all by default), then
+        staging (+ H2D when ``push``)."""
         with torch.no_grad():
             if not job.tiled:
                 for row in self._grad_ev:
@@ -250,7 +311,7 @@ class HostPlacement(ShardPlacement):
                     for k, (a, b) in enumerate(self.tiles[i]):
                         self._stage_tile(i, k, a, b, m[a:b], push)
                 return
-            for t in self._tile_views(job):
+            for t in self._tile_views(job, list(range(len(self.masters))) if indices is None else indices):
                 h, state = job.hypers[t.i], job.states[t.i]
                 Copier.wait(self._grad_ev[t.i][t.k])
                 if h is not None and state is not None:

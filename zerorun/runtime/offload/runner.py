@@ -21,20 +21,25 @@ class StepRunner:
         self.threads = max(1, threads)
         self.device = device
         self._pool: ThreadPoolExecutor | None = None
-        self._future: Future[None] | None = None
+        self._futures: list[Future[None]] = []
 
     def _init_thread(self) -> None:
         torch.set_num_threads(self.threads)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
 
-    def submit(self, fn: Callable[[], None]) -> None:
-        self.join()
+    def submit(self, fn: Callable[[], None], *, queue: bool = False) -> Future[None]:
+        """Run ``fn`` on the worker; ``queue``: after what is already submitted (else that is
+        joined first)."""
+        if not queue:
+            self.join()
         if self._pool is None:
             # Joined at interpreter exit by concurrent.futures, so a delayed step never dies
             # half-written when the script ends.
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="zerorun-offload", initializer=self._init_thread)
-        self._future = self._pool.submit(fn)
+        future = self._pool.submit(fn)
+        self._futures.append(future)
+        return future
 
     def run(self, fn: Callable[[], None]) -> None:
         self.submit(fn)
@@ -42,11 +47,11 @@ class StepRunner:
 
     @property
     def busy(self) -> bool:
-        return self._future is not None
+        return bool(self._futures)
 
     def join(self) -> None:
-        if self._future is not None:
-            future, self._future = self._future, None
+        futures, self._futures = self._futures, []
+        for future in futures:
             future.result()
 
     def close(self) -> None:
