@@ -18,8 +18,8 @@ from zerorun.runtime.offload.host import tiles
 from zerorun.runtime.offload.options import cores_per_rank, options_from_settings
 
 
-def _settings(zero: dict, extra: dict | None = None, stage: int | None = None) -> SimpleNamespace:
-    return SimpleNamespace(zero=zero, zerorun=extra or {}, stage=zero.get("stage", 0) if stage is None else stage)
+def _settings(zero: dict, extra: dict | None = None, clip: float = 1.0, fp16: bool = False) -> SimpleNamespace:
+    return SimpleNamespace(zero=zero, zerorun=extra or {}, stage=zero.get("stage", 0), gradient_clipping=clip, fp16=fp16)
 
 
 def test_options_resolve_deepspeed_and_zerorun_keys() -> None:
@@ -52,7 +52,11 @@ def test_cpu_threads_share_the_cores(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     assert cores_per_rank() == 4
     o = options_from_settings(_settings({"stage": 2, "offload_optimizer": {"device": "cpu"}}))
-    assert o.step_threads() == 4
+    assert o.step_threads() == 4 and not o.early_start  # clipping: the step waits for the norm
+    o = options_from_settings(_settings({"stage": 2, "offload_optimizer": {"device": "cpu"}}, clip=0.0))
+    assert o.early_start and o.step_threads() == 3  # the step overlaps backward: a core for the loop
+    o = options_from_settings(_settings({"stage": 2, "offload_optimizer": {"device": "cpu"}}, clip=0.0, fp16=True))
+    assert not o.early_start  # fp16 steps depend on the overflow check
     o = options_from_settings(
         _settings({"stage": 2, "offload_optimizer": {"device": "cpu"}}, {"delayed_param_update": True})
     )

@@ -54,12 +54,13 @@ class OffloadOptions:
 
     def step_threads(self) -> int:
         """Threads of the CPU optimizer step. Automatic: this rank's share of the cores it may
-        use; with the delayed update one fewer, since the training loop runs at the same time
-        and a starved Python thread starves the GPU of kernel launches."""
+        use; one fewer when the step overlaps the training loop (delayed update, or a step
+        started during backward), since a starved Python thread starves the GPU of launches."""
         if self.cpu_threads > 0:
             return self.cpu_threads
         n = cores_per_rank()
-        return max(1, n - 1) if self.delayed_update and n > 2 else n
+        overlaps = self.delayed_update or (self.early_start and self.stage in (1, 2))
+        return max(1, n - 1) if overlaps and n > 2 else n
 
 
 def cores_per_rank() -> int:
