@@ -85,3 +85,14 @@ def test_incompatible_model_or_optimizer_is_a_clear_error(tmp_path):
     with pytest.raises(CheckpointError, match="saved with optimizer AdamW, the engine uses SGD; pass load_optimizer_states=False"):
         _check_compatible(saved, other, tmp_path, True)
     _check_compatible(saved, other, tmp_path, False)
+
+
+def test_deepspeed_checkpoint_is_named_as_such(tmp_path):
+    from zerorun.runtime.checkpoint.store import CheckpointReader
+
+    tag = tmp_path / "global_step10"
+    tag.mkdir()
+    (tag / "mp_rank_00_model_states.pt").write_bytes(b"")
+    (tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"")
+    with pytest.raises(CheckpointError, match="is a DeepSpeed checkpoint, not a zerorun one: convert it with DeepSpeed's zero_to_fp32.py"):
+        CheckpointReader(tag)
