@@ -11,8 +11,10 @@ the "tiny" size for 30 steps finishes in seconds on CPU ranks. On GPUs try --siz
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -34,8 +36,13 @@ def main() -> None:
     )
     parser.add_argument("--steps", type=int, default=30, help="optimizer steps")
     parser.add_argument(
-        "--lr", type=float, default=1e-3, help="used when the config has no optimizer section"
+        "--lr",
+        type=float,
+        default=None,
+        help="peak learning rate: AdamW + linear warmup + cosine decay from the command line instead of "
+        "the config's optimizer/scheduler (default: the config's; 1e-3 if it has none)",
     )
+    parser.add_argument("--warmup", type=int, default=5, help="warmup steps of --lr's schedule")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--log_every", "--log-every", type=int, default=5)
     args = parser.parse_args()
@@ -45,12 +52,30 @@ def main() -> None:
     torch.manual_seed(args.seed)  # identical initial weights on every rank
     model = GPT(cfg)
 
-    def adamw(params):  # noqa: ANN001, ANN202 - used only when the config has no optimizer
-        return torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    own = args.lr is not None or not _config_has_optimizer(args.config)
+    peak = args.lr if args.lr is not None else 1e-3
 
-    engine, _, _, _ = zerorun.initialize(
-        model=model, config=args.config, optimizer=None if _config_has_optimizer(args.config) else adamw
-    )
+    def adamw(params):  # noqa: ANN001, ANN202
+        return torch.optim.AdamW(params, lr=peak, betas=(0.9, 0.95), weight_decay=0.1)
+
+    def warmup_cosine(optimizer):  # noqa: ANN001, ANN202
+        def factor(step: int) -> float:
+            if step < args.warmup:
+                return (step + 1) / args.warmup
+            done = (step - args.warmup) / max(1, args.steps - args.warmup)
+            return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, done)))
+
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+    with warnings.catch_warnings():
+        # A script's own optimizer replacing the config's is the point of --lr here.
+        warnings.filterwarnings("ignore", message=".*the script's optimizer is used")
+        engine, _, _, _ = zerorun.initialize(
+            model=model,
+            config=args.config,
+            optimizer=adamw if own else None,
+            lr_scheduler=warmup_cosine if own else None,
+        )
     rank, world = engine.global_rank, engine.world_size
     micro = engine.train_micro_batch_size_per_gpu()
     data = SyntheticTokens(cfg, micro, engine.device, seed=args.seed, rank=rank)
