@@ -54,8 +54,8 @@ run offload_shared_gloo env ZERORUN_BACKEND=gloo \
 run offload_units "$PY" -m pytest -q -p no:cacheprovider tests/runtime/test_offload_units.py \
   --junitxml="$OUT/offload_units.xml"
 # 3. the README's example through the launcher.
-run gpt_1gpu_nccl "$PY" -m zerorun --num_gpus 1 examples/gpt.py --config templates/zero2.yaml --size 125M --seq_len 1024 --steps 30
-run gpt_2ranks_shared "$PY" -m zerorun --num_gpus 2 --ranks_per_gpu 2 examples/gpt.py --config templates/zero2.yaml --steps 20
+run gpt_1gpu_nccl "$PY" -m zerorun --num_gpus 1 examples/gpt.py --config templates/zero2.yaml --size 125M --seq_len 1024 --steps 30 --lr 6e-4
+run gpt_2ranks_shared "$PY" -m zerorun --num_gpus 2 --ranks_per_gpu 2 examples/gpt.py --config templates/zero2.yaml --steps 20 --lr 3e-3
 # 4. ZeRO stage 3: world 1 on NCCL (collectives forced through the stream path), 2 and 4 ranks
 #    sharing the GPU over gloo (prefetched all-gathers and reduce-scatters on the side stream).
 run s3_world1_nccl env ZERORUN_BACKEND=nccl ZERORUN_DEBUG_COLLECTIVES=1 ZR_S3_WORLDS=1 \
