@@ -127,6 +127,11 @@ def main() -> int:
         report["save_error"] = str(err)
     report.update(scale_final=engine.get_loss_scale(), skipped_final=engine.skipped_steps)
     # after training: further loads with DeepSpeed's flags, reporting what each restored
+    if spec.get("save16_final"):
+        dir_, name = spec["save16_final"]
+        report["save16_final"] = engine.save_16bit_model(dir_, name)
+        if rank == 0:
+            torch.save(_state_dict(model), f"{dir_}/reference.pt")
     for i, extra in enumerate(spec.get("extra_saves", [])):
         try:
             engine.save_checkpoint(extra["dir"], **extra["kwargs"])

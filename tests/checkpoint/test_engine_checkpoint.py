@@ -82,6 +82,7 @@ def test_resume_world1_stage0_matches_uninterrupted(reference, tmp_path):
     spec = {
         "stage": 0, "ckpt": str(reference["ckpt"]), "load": "", "steps_to": 6,
         # then, after step 6: DeepSpeed's partial loads
+        "save16_final": [str(tmp_path), "pytorch_model.bin"],
         "extra_saves": [
             {"dir": str(tmp_path / "nofrozen"), "kwargs": {"exclude_frozen_parameters": True}},
             {"dir": str(tmp_path / "a_file" / "ckpt"), "kwargs": {}},  # cannot be created
@@ -98,6 +99,14 @@ def test_resume_world1_stage0_matches_uninterrupted(reference, tmp_path):
     results, out = _run(tmp_path, 1, spec, name="w1")
     _ok(results)
     assert "cannot create" in out["extra_save1"] and "Not a directory" in out["extra_save1"]
+    # save_16bit_model in torch format: every state_dict key (tied ones share storage), so a
+    # strict load_state_dict works, as with DeepSpeed's pytorch_model.bin
+    sd16 = torch.load(tmp_path / "pytorch_model.bin", weights_only=True)
+    ref = torch.load(tmp_path / "reference.pt", weights_only=True)
+    assert out["save16_final"] is True and set(sd16) == set(ref)
+    assert sd16["head.weight"].data_ptr() == sd16["emb.weight"].data_ptr()
+    for k in ref:
+        assert torch.equal(sd16[k], ref[k]), k
     assert out["loaded"].endswith("global_step3") and out["steps_after_load"] == 3
     assert out["client_state"] == {"step": 3, "note": "resume me"}
     assert out["samples_after_load"] == 24
