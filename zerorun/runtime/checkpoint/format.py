@@ -211,7 +211,7 @@ class CheckpointMeta:
             },
             "extra": self.extra,
         }
-        return json.dumps(d, indent=1)
+        return _dump_readable(d)
 
     @classmethod
     def from_json(cls, text: str, path: str) -> CheckpointMeta:
@@ -243,6 +243,19 @@ class CheckpointMeta:
             )
         except (KeyError, TypeError, ValueError) as err:
             raise CheckpointError(f"{path}: incomplete checkpoint metadata ({err!r})") from err
+
+
+def _dump_readable(d: dict[str, Any]) -> str:
+    """JSON with one top-level key per line and one parameter per line (``indent`` would put
+    every dimension of every shape on its own line)."""
+    parts = []
+    for k, v in d.items():
+        if isinstance(v, list) and v and isinstance(v[0], dict):
+            rows = ",\n  ".join(json.dumps(x) for x in v)
+            parts.append(f" {json.dumps(k)}: [\n  {rows}\n ]")
+        else:
+            parts.append(f" {json.dumps(k)}: {json.dumps(v)}")
+    return "{\n" + ",\n".join(parts) + "\n}\n"
 
 
 def _info_json(p: ParamInfo) -> dict[str, Any]:
