@@ -43,6 +43,7 @@ def save_full_model(
 
     distributed = dist.is_available() and dist.is_initialized() and view.world_size > 1
     group = view.process_group
+    on_gloo = distributed and str(dist.get_backend(group)) == "gloo"
     rank, world = view.rank, view.world_size
     meta = view.checkpoint_meta()
     by_name: dict[tuple[str, str], list[tuple[Fragment, int, int]]] = {}
@@ -66,6 +67,8 @@ def save_full_model(
         # values; elements are summed with zeros only)
         work = torch.float32 if t.dtype.is_floating_point or src_dtype.is_floating_point else torch.int64
         device = pieces[0][0].tensor.device if pieces else _device(view)
+        if on_gloo:  # gloo's CUDA support is partial (ranks sharing a GPU use gloo): reduce on host
+            device = torch.device("cpu")
         full = torch.zeros(t.numel, dtype=work, device=device)
         for f, s, e in pieces:
             full[s:e].copy_(f.tensor.reshape(-1)[s - f.start : e - f.start])
