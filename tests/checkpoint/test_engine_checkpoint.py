@@ -88,7 +88,8 @@ def test_resume_world1_stage0_matches_uninterrupted(reference, tmp_path):
             {"dir": str(tmp_path / "a_file" / "ckpt"), "kwargs": {}},  # cannot be created
         ],
         "extra_loads": [
-            {"tag": "global_step3", "flags": {"load_module_only": True}},
+            # the tag directory itself, as users often pass it
+            {"dir": str(reference["ckpt"] / "global_step3"), "tag": None, "flags": {"load_module_only": True}},
             {"tag": "global_step3", "flags": {"load_optimizer_states": False}},
             {"tag": "global_step3", "flags": {}},
             {"dir": str(tmp_path / "nofrozen"), "tag": None, "flags": {}},

@@ -257,12 +257,15 @@ def load_checkpoint(
     instead of being an error."""
     comm = _Comm(view)
     root = Path(load_dir)
-    tag = resolve_tag(root, tag)
-    if tag is None:
-        if comm.rank == 0:
-            log.warning("zerorun: no checkpoint to load: %s does not exist", root / "latest")
-        return None, None
-    path = root / tag
+    if tag is None and (root / META_FILE).is_file():
+        path = root  # the tag directory itself was given ("ckpt/global_step100")
+    else:
+        tag = resolve_tag(root, tag)
+        if tag is None:
+            if comm.rank == 0:
+                log.warning("zerorun: no checkpoint to load: %s does not exist", root / "latest")
+            return None, None
+        path = root / tag
     with_optim = load_optimizer_states and not load_module_only
     with CheckpointReader(path) as reader:
         meta = reader.meta
