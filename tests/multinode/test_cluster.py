@@ -154,17 +154,21 @@ def test_selection_in_dry_run(cluster, tmp_path: Path) -> None:  # type: ignore[
 
 
 def test_rank_failing_on_node_b_stops_node_a(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Rank 1 on node2 exits 3 while rank 0 on node1 sleeps (it would never end by itself):
+    the launcher stops node1's rank through its agent and exits with rank 1's code."""
     launch = Launch(
         ["--hostfile", hostfile(cluster), "--include", "node1:0@node2:0", *COMMON,
-         "--env", "MN_MODE=fail", "--env", "MN_FAIL_RANK=1", "--env", "MN_FAIL_CODE=3", str(SCRIPT)],
+         "--env", "MN_HANG=1", "--env", "MN_FAIL_RANK=1", "--env", "MN_FAIL_CODE=3",
+         "--env", f"MN_READY={tmp_path / 'ready'}", str(HELLO)],
         env=launcher_env(cluster),
         cwd=tmp_path,
     )
-    code = launch.finish(90)
+    code = launch.finish(60)
     out = launch.output
     assert code == 3, out
-    assert "[node2:1] failing on purpose" in out
+    assert "[node2:1] failing on purpose" in out and "[node1:0] HELLO" in out
     assert "rank node2:1 failed first" in out and re.search(r"rank 1 on node2 \(pid \d+\): exit 3", out), out
+    assert re.search(r"0\s+node1\s+signal 15 \(SIGTERM\) \(stopped\)", out), out
     left = wait_clean(cluster.nodes, 5)
     assert not left, describe(left)
 
@@ -198,13 +202,18 @@ def test_link_down_stops_the_job_everywhere(cluster, tmp_path: Path) -> None:  #
 
 @pytest.mark.parametrize("how", ["sigint", "sigkill"])
 def test_launcher_interrupted_or_killed_leaves_nothing(cluster, tmp_path: Path, how: str) -> None:  # type: ignore[no-untyped-def]
+    """Ctrl-C while the ranks are in gloo collectives across the nodes; SIGKILL of the launcher
+    (ranks asleep: nothing but the agents' EOF can stop them)."""
+    job = ["--env", "MN_MODE=loop", str(SCRIPT)] if how == "sigint" else ["--env", "MN_HANG=1", str(HELLO)]
     launch = Launch(
-        ["--hostfile", hostfile(cluster), "--exclude", "node3", "--num_gpus", "1", *COMMON,
-         "--env", "MN_MODE=loop", str(SCRIPT)],
+        ["--hostfile", hostfile(cluster), "--exclude", "node3", "--num_gpus", "1", *COMMON, *job],
         env=launcher_env(cluster),
         cwd=tmp_path,
     )
-    launch.wait_for(lambda o: "[node1:0] STEP 10" in o and "[node2:1] STEP 10" in o, 90)
+    if how == "sigint":
+        launch.wait_for(lambda o: "[node1:0] STEP 10" in o and "[node2:1] STEP 10" in o, 90)
+    else:
+        launch.wait_for(lambda o: "[node1:0] HELLO" in o and "[node2:1] HELLO" in o, 60)
     assert all(n.job_pids() for n in cluster.nodes[:2])
     t0 = time.monotonic()
     if how == "sigint":
