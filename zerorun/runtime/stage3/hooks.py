@@ -27,7 +27,7 @@ Inside a backward (``torch._C._current_graph_task_id() != -1``) a forward is a r
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -91,7 +91,13 @@ class Stage3Hooks:
         self.reshard_after_forward = reshard_after_forward
         self.check_order = check_order
         self.calls = [_Calls() for _ in self.groups]
-        self.pending: list[Pending] = []
+        # (flat buffer index, its gradient shard, the reduction in flight)
+        self.pending: list[tuple[int, torch.Tensor, Pending]] = []
+        # Called with (flat buffer index, gradient shard) once this rank's reduced gradient of
+        # it is final for the step (accumulation boundary, collective completed): an offload
+        # placement starts the CPU step there (Contract 6, ShardPlacement.grad_ready).
+        self.on_grad_ready: Callable[[int, torch.Tensor], None] | None = None
+        self.boundary = True
         self.backward_open = False
         self.launches = 0  # reduce-scatters issued (tests assert overlap)
         self.launched_during_backward = 0
@@ -226,21 +232,34 @@ class Stage3Hooks:
 
     def wait_reductions(self) -> None:
         while self.pending:
-            self.pending.pop(0).wait()
+            self._retire()
         self._staging_live = 0
+
+    def _retire(self) -> None:
+        index, shard, pending = self.pending.pop(0)
+        pending.wait()
+        self._final(index, shard)
+
+    def _final(self, index: int, shard: torch.Tensor) -> None:
+        if self.boundary and self.on_grad_ready is not None:
+            self.on_grad_ready(index, shard)
 
     def _reduce(self, g: ParamGroup) -> None:
         self.calls[g.index].reduced = True
         issued = g.reduce_grads()
-        for p in issued:
+        if not issued:  # one rank: the gradient shards are written already
+            for layout, shard in zip(g.layouts, g.grad_shards, strict=True):
+                self._final(layout.index, shard)
+            return
+        for layout, shard, p in zip(g.layouts, g.grad_shards, issued, strict=True):
             self.launches += 1
             if self.backward_open:
                 self.launched_during_backward += 1
-            self.pending.append(p)
+            self.pending.append((layout.index, shard, p))
         self._staging_live += g.staging_bytes() * len(issued)
         self.peak_staging_bytes = max(self.peak_staging_bytes, self._staging_live)
         while len(self.pending) > self.max_inflight:
-            self.pending.pop(0).wait()
+            self._retire()
             self._staging_live = max(0, self._staging_live - g.staging_bytes())
 
     # -- debug: same order on every rank --------------------------------------------------------

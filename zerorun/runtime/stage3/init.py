@@ -29,6 +29,7 @@ one parameter at a time.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from typing import Any
 
@@ -58,6 +59,11 @@ _INIT_FUNCS = (
 )
 
 
+# DeepSpeed's ``ds_id``: partition order, the same on every rank (all ranks construct the same
+# modules in the same order), so collectives over a set of parameters can be ordered by it.
+_PARTITION_ORDER = itertools.count()
+
+
 class InitShard:
     """This rank's slice of one parameter partitioned by ``zero.Init``."""
 
@@ -81,6 +87,7 @@ class InitShard:
         p.data = self.placeholder
         p.ds_shape = self.shape  # type: ignore[attr-defined]
         p.ds_numel = self.numel  # type: ignore[attr-defined]
+        p.ds_id = next(_PARTITION_ORDER)  # type: ignore[attr-defined]
         p._zerorun_init = self  # type: ignore[attr-defined]
 
     @property

@@ -31,7 +31,7 @@ from torch import nn
 from zerorun.errors import RuntimeConfigError
 from zerorun.runtime.stage3.param_group import ParamGroup
 
-__all__ = ["GatheredParameters", "install_state_dict_hooks", "load_pretrained", "is_partitioned"]
+__all__ = ["GatheredParameters", "install_state_dict_hooks", "load_pretrained", "is_partitioned", "set_full_state_dict"]
 
 
 def _group(p: nn.Parameter) -> ParamGroup | None:
@@ -124,7 +124,8 @@ class GatheredParameters:
                 seen.add(id(g))
                 self.groups.append(g)
         self.groups.sort(key=lambda g: g.index)  # same collective order on every rank
-        self.inits = [p for p in self.params if _init(p) is not None]
+        # Callers may pass a set (transformers does): order by partition order, not theirs.
+        self.inits = sorted((p for p in self.params if _init(p) is not None), key=lambda p: p.ds_id)
         self.plain = [p for p in self.params if _group(p) is None and _init(p) is None]
 
     def __enter__(self) -> GatheredParameters:
@@ -207,12 +208,28 @@ def _assemble(p: nn.Parameter) -> torch.Tensor:
     return out.view(slot.shape).cpu()
 
 
+# DeepSpeed's `module.state_dict()` at stage 3 holds the placeholders, not the values, and code
+# written for it relies on that (transformers' from_pretrained calls it on every rank for the
+# keys alone). zerorun's DeepSpeed compatibility layer turns assembling off (Contract 8).
+_assemble_on_state_dict = True
+
+
+def set_full_state_dict(full: bool) -> bool:
+    """Whether ``state_dict()`` assembles partitioned parameters; returns the previous value."""
+    global _assemble_on_state_dict
+    previous, _assemble_on_state_dict = _assemble_on_state_dict, full
+    return previous
+
+
 def _state_dict_post_hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, _meta: Any) -> None:
+    if not _assemble_on_state_dict:
+        return
     for name, p in module._parameters.items():
         if p is None or not is_partitioned(p):
             continue
         key = prefix + name
-        if key in state_dict:
+        # keep_vars=True asks for the Parameter objects themselves (their attributes matter).
+        if key in state_dict and state_dict[key] is not p:
             state_dict[key] = _assemble(p)
 
 

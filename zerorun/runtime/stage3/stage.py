@@ -47,6 +47,8 @@ class Stage3:
         self._owner: list[tuple[ParamGroup, int]] = [
             (g, li) for g in self.groups for li in range(len(g.layouts))
         ]
+        if hasattr(state, "grad_ready"):
+            hooks.on_grad_ready = state.grad_ready
 
     @property
     def layouts(self) -> list[FlatLayout]:
@@ -55,8 +57,9 @@ class Stage3:
     # -- backward -------------------------------------------------------------------------------
     def begin_backward(self, *, boundary: bool, first_micro: bool) -> None:
         # Accumulation needs no flag here: a gradient shard is overwritten by the first reduction
-        # after zero_grad() and added to afterwards (ParamGroup.grad_fresh).
-        return None
+        # after zero_grad() and added to afterwards (ParamGroup.grad_fresh). The boundary tells
+        # the hooks when a reduced shard is final (grad_ready for an offload placement).
+        self.hooks.boundary = boundary
 
     def end_backward(self) -> None:
         if self.hooks.backward_open:  # the final callback did not run (backward without hooks)
