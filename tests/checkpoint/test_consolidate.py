@@ -77,6 +77,23 @@ def test_consolidated_safetensors_equals_state_dict(tmp_path):
         assert torch.equal(v, ref[k])
 
 
+def test_in_memory_state_dict_and_plain_model_load(tmp_path):
+    """DeepSpeed's get_fp32_state_dict_from_zero_checkpoint / load_state_dict_from_zero_checkpoint."""
+    from zerorun.runtime.checkpoint import get_fp32_state_dict, load_state_dict_from_checkpoint
+
+    model = _reference()
+    _save_model(model, tmp_path / "ckpt")
+    sd = get_fp32_state_dict(tmp_path / "ckpt")
+    ref = model.state_dict()
+    assert set(sd) == set(ref) and sd["head.weight"] is sd["emb.weight"]
+    for k in ref:
+        assert torch.equal(sd[k], ref[k]), k
+    fresh = load_state_dict_from_checkpoint(Tiny(), tmp_path / "ckpt" / "global_step3")  # strict
+    assert fresh.head.weight is fresh.emb.weight  # still tied
+    for k, v in fresh.state_dict().items():
+        assert torch.equal(v, ref[k]), k
+
+
 def test_consolidated_torch_shards_and_bf16(tmp_path):
     model = _reference()
     _save_model(model, tmp_path / "ckpt", world_size=3)

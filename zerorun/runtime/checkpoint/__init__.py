@@ -14,7 +14,12 @@ One concept per module:
 
 from __future__ import annotations
 
-from zerorun.runtime.checkpoint.consolidate import ConsolidateResult, consolidate
+from zerorun.runtime.checkpoint.consolidate import (
+    ConsolidateResult,
+    consolidate,
+    get_fp32_state_dict,
+    load_state_dict_from_checkpoint,
+)
 from zerorun.runtime.checkpoint.sharded import CheckpointView, load_checkpoint, save_checkpoint
 from zerorun.runtime.checkpoint.store import CheckpointReader
 
@@ -23,6 +28,8 @@ __all__ = [
     "CheckpointView",
     "ConsolidateResult",
     "consolidate",
+    "get_fp32_state_dict",
     "load_checkpoint",
+    "load_state_dict_from_checkpoint",
     "save_checkpoint",
 ]

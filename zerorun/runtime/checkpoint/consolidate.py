@@ -25,7 +25,7 @@ import torch
 from zerorun.errors import CheckpointError
 
 from . import atomic
-from .format import BUFFER, WEIGHT, dtype_from_name
+from .format import BUFFER, META_FILE, WEIGHT, CheckpointMeta, dtype_from_name
 from .safetensors_stream import StreamWriter, TensorEntry
 from .sharded import resolve_tag
 from .store import CheckpointReader
@@ -37,6 +37,8 @@ __all__ = [
     "write_state_dict",
     "consolidate",
     "ConsolidateResult",
+    "get_fp32_state_dict",
+    "load_state_dict_from_checkpoint",
 ]
 
 FORMATS = ("safetensors", "torch")
@@ -169,6 +171,35 @@ class ConsolidateResult:
     tied: dict[str, str]
 
 
+def _tag_dir(ckpt_dir: str | os.PathLike[str], tag: str | None) -> Path:
+    root = Path(ckpt_dir)
+    if not root.is_dir():
+        raise CheckpointError(f"{root} is not a directory")
+    if (root / META_FILE).is_file() and tag is None:
+        return root
+    resolved = resolve_tag(root, tag)
+    if resolved is None:
+        raise CheckpointError(
+            f"{root} has no 'latest' file and is not a checkpoint tag directory; pass --tag "
+            "or the tag directory itself"
+        )
+    return root / resolved
+
+
+def _output_tensors(meta: CheckpointMeta, dtype: str | None) -> tuple[list[OutputTensor], dict[str, str]]:
+    if dtype is not None and dtype not in DTYPES:
+        raise CheckpointError(f"unknown dtype {dtype!r}: use one of {', '.join(DTYPES)}")
+    tensors: list[OutputTensor] = []
+    kinds: dict[str, str] = {}
+    for infos, kind in ((meta.params, WEIGHT), (meta.buffers, BUFFER)):
+        for p in infos:
+            trained = dtype_from_name(p.dtype)
+            out = (DTYPES[dtype] if dtype is not None else trained) if trained.is_floating_point else trained
+            tensors.append(OutputTensor(p.name, p.shape, out))
+            kinds[p.name] = kind
+    return tensors, kinds
+
+
 def consolidate(
     ckpt_dir: str | os.PathLike[str],
     out_dir: str | os.PathLike[str],
@@ -186,36 +217,12 @@ def consolidate(
     in. Integer buffers keep their dtype. Model files already in `out_dir` are an error unless
     `overwrite` (then they are removed first).
     """
-    root = Path(ckpt_dir)
-    if not root.is_dir():
-        raise CheckpointError(f"{root} is not a directory")
-    if (root / "zerorun_checkpoint.json").is_file() and tag is None:
-        tag_dir = root
-    else:
-        resolved = resolve_tag(root, tag)
-        if resolved is None:
-            raise CheckpointError(
-                f"{root} has no 'latest' file and is not a checkpoint tag directory; pass --tag "
-                "or the tag directory itself"
-            )
-        tag_dir = root / resolved
-    if dtype is not None and dtype not in DTYPES:
-        raise CheckpointError(f"unknown dtype {dtype!r}: use one of {', '.join(DTYPES)}")
-    if Path(out_dir).is_dir():
-        _clear_previous_output(Path(out_dir), overwrite)
+    tag_dir = _tag_dir(ckpt_dir, tag)
     with CheckpointReader(tag_dir) as reader:
         meta = reader.meta
-        tensors: list[OutputTensor] = []
-        kinds: dict[str, str] = {}
-        for infos, kind in ((meta.params, WEIGHT), (meta.buffers, BUFFER)):
-            for p in infos:
-                trained = dtype_from_name(p.dtype)
-                if trained.is_floating_point:
-                    out = DTYPES[dtype] if dtype is not None else trained
-                else:
-                    out = trained
-                tensors.append(OutputTensor(p.name, p.shape, out))
-                kinds[p.name] = kind
+        tensors, kinds = _output_tensors(meta, dtype)
+        if Path(out_dir).is_dir():
+            _clear_previous_output(Path(out_dir), overwrite)
         files = write_state_dict(
             Path(out_dir),
             tensors,
@@ -225,3 +232,29 @@ def consolidate(
             tied=meta.tied,
         )
     return ConsolidateResult(tag_dir, files, len(tensors), sum(t.nbytes for t in tensors), dict(meta.tied))
+
+
+def get_fp32_state_dict(
+    ckpt_dir: str | os.PathLike[str], tag: str | None = None, *, dtype: str | None = "fp32"
+) -> dict[str, torch.Tensor]:
+    """The full state dict in memory (DeepSpeed's ``get_fp32_state_dict_from_zero_checkpoint``),
+    tied weights under every name sharing one tensor, so ``model.load_state_dict(sd)`` works
+    strictly. Holds the whole model: for big models use `consolidate` (streams to files)."""
+    with CheckpointReader(_tag_dir(ckpt_dir, tag)) as reader:
+        tensors, kinds = _output_tensors(reader.meta, dtype)
+        sd = {t.name: reader.read_full(t.name, kinds[t.name], dtype=t.dtype).reshape(t.shape) for t in tensors}
+        for alias, canonical in reader.meta.tied.items():
+            if canonical in sd:
+                sd[alias] = sd[canonical]
+    return sd
+
+
+def load_state_dict_from_checkpoint(
+    model: torch.nn.Module, ckpt_dir: str | os.PathLike[str], tag: str | None = None, *, strict: bool = True
+) -> torch.nn.Module:
+    """DeepSpeed's ``load_state_dict_from_zero_checkpoint``: a plain (non-engine) model gets the
+    checkpoint's fp32 weights, e.g. for evaluation or export after training."""
+    sd = get_fp32_state_dict(ckpt_dir, tag)
+    with torch.no_grad():
+        model.load_state_dict(sd, strict=strict)
+    return model
