@@ -304,6 +304,15 @@ def test_preflight_failures_start_nothing(cluster, tmp_path: Path) -> None:  # t
     (tmp_path / "relative" / "train.py").write_text("print('should not run')\n")
     code, out = run_launcher(["--hostfile", str(hf), *COMMON, "--remote_cwd", "/", "relative/train.py"], env=env, cwd=tmp_path)
     assert code != 0 and "the script relative/train.py does not exist there (working directory /)" in out, out
+    # Master port busy here, where the master (localhost, first in the hostfile) runs.
+    import socket
+
+    with socket.socket() as busy_here:
+        busy_here.bind(("", 0))
+        busy_here.listen()
+        port_here = busy_here.getsockname()[1]
+        out = launch("localhost slots=1\nnode1 slots=1\n", "--master_port", str(port_here))
+        assert f"master port {port_here} is already in use on this machine, where rank 0 runs" in out
     # Master port busy on the (remote) master.
     busy = subprocess.Popen(
         ["ip", "netns", "exec", cluster.nodes[0].netns, sys.executable, "-c",

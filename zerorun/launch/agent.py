@@ -29,7 +29,7 @@ from typing import Any
 
 from zerorun.launch import wire
 
-__all__ = ["main"]
+__all__ = ["main", "hello", "port_in_use"]
 
 # Before the plan arrives the launcher is still running its preflight on the other nodes.
 _PRE_PLAN_TIMEOUT_S = 120.0
@@ -172,7 +172,7 @@ def hello(msg: dict[str, Any]) -> dict[str, Any]:
     if msg.get("pick_port"):
         info["port"] = _free_port()
     elif port is not None:
-        if _port_in_use(int(port)):
+        if port_in_use(int(port)):
             info["error"] = (
                 f"master port {port} is already in use there (another job?). Pick another with "
                 "--master_port, or leave it out to have a free one chosen."
@@ -191,7 +191,7 @@ def _gpu_count() -> int:
     return sum(1 for n in names if n.startswith("nvidia") and n[6:].isdigit())
 
 
-def _port_in_use(port: int) -> bool:
+def port_in_use(port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         # SO_REUSEADDR, as the rendezvous store sets it: a port in TIME_WAIT is usable,
         # one with a listener is not.

@@ -715,6 +715,7 @@ def prepare(plan: Any, options: Any, *, ssh: SshOptions | None = None) -> tuple[
         master_port=options.master_port if master is not None else plan.master_port,
         master_addr=options.master_addr,
         script=plan.target.script,
+        local_port_check=_local_port_problem,
     )
     try:
         check_devices(plan, pf.hellos, auto=getattr(options, "device", None) in (None, "auto"))
@@ -730,6 +731,17 @@ def prepare(plan: Any, options: Any, *, ssh: SshOptions | None = None) -> tuple[
     except BaseException:
         pf.close()
         raise
+
+
+def _local_port_problem(port: int) -> str | None:
+    from zerorun.launch.agent import port_in_use
+
+    if port_in_use(port):
+        return (
+            f"master port {port} is already in use on this machine, where rank 0 runs (another "
+            "job?). Pick another with --master_port, or leave it out to have a free one chosen."
+        )
+    return None
 
 
 def check_devices(plan: Any, hellos: dict[str, dict[str, Any]], *, auto: bool) -> None:
