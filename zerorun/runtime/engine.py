@@ -101,7 +101,9 @@ class Engine:
         return self.module(*args, **kwargs)
 
     # -- backward -----------------------------------------------------------------------------
-    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
+    def backward(
+        self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True
+    ) -> torch.Tensor:
         """Scale by loss scale / accumulation steps, backpropagate, reduce gradients (buckets are
         issued while the backward still runs)."""
         if self._backward_since_step:
@@ -115,7 +117,8 @@ class Engine:
             boundary=self.is_gradient_accumulation_boundary(),
             first_micro=self.micro_steps % self._accum == 0,
         )
-        factor = self.loss_scaler.scale / self._accum
+        # scale_wrt_gas=False: the script already divided by the accumulation steps (DeepSpeed's flag).
+        factor = self.loss_scaler.scale / (self._accum if scale_wrt_gas else 1)
         scaled = loss * factor if factor != 1.0 else loss
         scaled.backward(retain_graph=retain_graph)
         self.stage.end_backward()
