@@ -181,3 +181,16 @@ def test_device_check_against_the_nodes_gpus() -> None:
     with pytest.raises(LaunchError, match="no GPU is visible"):
         build_plan(LaunchOptions(target=Target(script="t.py"), device="cuda"),
                    parse_hostfile_text("localhost slots=1\nn2 slots=1\n"), no_local_gpu, master_port=1, run_id="r")
+
+
+def test_refused_connection_names_the_host(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from zerorun.launch.ssh import connect_nodes
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again below: nothing listens there
+    cfg = tmp_path / "config"
+    cfg.write_text(f"Host closed-node\n  HostName 127.0.0.1\n  Port {port}\n  ConnectTimeout 3\n")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    with pytest.raises(LaunchError, match=rf"cannot reach closed-node \(127.0.0.1:{port}\): .*Nothing was started"):
+        connect_nodes(["closed-node"], SshOptions(ssh_config=str(cfg)))

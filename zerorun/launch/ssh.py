@@ -298,7 +298,13 @@ def _open(target: SshTarget, options: SshOptions, sock: Any) -> paramiko.SSHClie
             f"cannot reach {target.display}: no answer within {target.connect_timeout:g} s. "
             "Check the name/address in the hostfile and that sshd runs there."
         ) from None
-    except (OSError, paramiko.SSHException) as err:
+    except OSError as err:  # refused, no route, unknown name (paramiko's NoValidConnectionsError too)
+        client.close()
+        raise LaunchError(
+            f"cannot reach {target.display}: {err.strerror or err}. Check the name/address in the "
+            "hostfile (or HostName/Port in ~/.ssh/config) and that sshd runs there."
+        ) from None
+    except paramiko.SSHException as err:
         client.close()
         raise LaunchError(f"cannot connect to {target.display}: {err}") from None
     return client
