@@ -255,6 +255,11 @@ class _LoadHooks:
             key = prefix + name
             if key not in state_dict:
                 continue
+            h = _init(p)
+            if h is not None and p.data.data_ptr() != h.placeholder.data_ptr():
+                # Gathered by GatheredParameters: torch copies into the full tensor, which the
+                # block's exit keeps (modifier_rank) -- writing the shard here would be undone.
+                continue
             value = state_dict.pop(key)
             shape = tuple(getattr(p, "ds_shape", p.shape))
             if tuple(value.shape) != shape:

@@ -67,6 +67,15 @@ def _config_dict(args: Any, config: Any, config_params: Any) -> dict[str, Any]:
     return getattr(source, "config", source).to_dict()
 
 
+def _runtime_view(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The config zerorun's runtime gets. accelerate writes ``steps_per_print: inf`` to keep
+    DeepSpeed from printing to stdout; zerorun prints nothing there (its status lines are
+    events to the launcher), so the key is dropped rather than refused as not a count."""
+    if isinstance(cfg.get("steps_per_print"), float) and cfg["steps_per_print"] == float("inf"):
+        cfg = {k: v for k, v in cfg.items() if k != "steps_per_print"}
+    return cfg
+
+
 def _elementwise_standin(optimizer: Any) -> bool:
     """Optimizers of this layer (deepspeed.ops.adam) are torch Adam with DeepSpeed's
     constructor: elementwise, though not torch's own class."""
@@ -104,9 +113,12 @@ def initialize(
     import zerorun
 
     cfg = _config_dict(args, config, config_params)
-    runtime_cfg = cfg
+    runtime_cfg = _runtime_view(cfg)
     if optimizer is not None and _elementwise_standin(optimizer):
-        runtime_cfg = dict(cfg, zero_allow_untested_optimizer=True)
+        runtime_cfg = dict(runtime_cfg, zero_allow_untested_optimizer=True)
+    from zerorun.compat.deepspeed.runtime.zero.partition_parameters import deepspeed_state_dict_semantics
+
+    deepspeed_state_dict_semantics()
     evaluation_only = optimizer is None and not cfg.get("optimizer")
     if evaluation_only:
         optimizer = _evaluation_only_optimizer
@@ -392,7 +404,13 @@ class DeepSpeedEngine(nn.Module):
         Collective: the stage-3 ``state_dict`` gathers one parameter at a time."""
         if self._engine.settings.stage != 3:
             raise ValueError("this function requires ZeRO-3 mode")
-        state = self.module.state_dict()
+        from zerorun.runtime.stage3.model_io import set_full_state_dict
+
+        previous = set_full_state_dict(True)
+        try:
+            state = self.module.state_dict()
+        finally:
+            set_full_state_dict(previous)
         if exclude_frozen_parameters:
             frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
             state = OrderedDict((k, v) for k, v in state.items() if k not in frozen)

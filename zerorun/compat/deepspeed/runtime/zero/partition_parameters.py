@@ -30,9 +30,36 @@ __all__ = [
 ]
 
 _orig_torch_arange = torch.arange
-GatheredParameters = _zero.GatheredParameters
 register_external_parameter = _zero.register_external_parameter
 __getattr__ = module_getattr(__name__)
+
+
+def deepspeed_state_dict_semantics() -> None:
+    """Under this layer ``module.state_dict()`` of a partitioned model holds placeholders, as
+    with DeepSpeed (transformers' ZeRO-3 ``from_pretrained`` calls it on every rank for the keys
+    only; assembling would put the whole model on every rank). Full weights come from
+    ``engine._zero3_consolidated_16bit_state_dict()``, ``save_16bit_model`` or
+    ``GatheredParameters``."""
+    from zerorun.runtime.stage3.model_io import set_full_state_dict
+
+    set_full_state_dict(False)
+
+
+def GatheredParameters(  # noqa: N802 - DeepSpeed's name
+    params: Any, modifier_rank: int | None = None, fwd_module: torch.nn.Module | None = None, enabled: bool = True
+) -> Any:
+    """``deepspeed.zero.GatheredParameters``: full values of the *partitioned* parameters among
+    ``params`` inside the block; with ``modifier_rank=r`` rank r's values are kept on exit.
+    Other tensors are left alone, as in DeepSpeed (zerorun's own API would broadcast them from
+    ``r``, which needs the same order on every rank -- callers pass sets)."""
+    if params is None:
+        params = []
+    elif isinstance(params, torch.Tensor):
+        params = [params]
+    partitioned = [
+        p for p in params if p is not None and (hasattr(p, "_zerorun_init") or hasattr(p, "_zerorun_group"))
+    ]
+    return _zero.GatheredParameters(partitioned, modifier_rank=modifier_rank, fwd_module=fwd_module, enabled=enabled)
 
 
 def _stage_of(cfg: Any) -> int:
@@ -74,6 +101,7 @@ class Init(_zero.Init):
                 f"config has zero_optimization.stage {_stage_of(cfg)}. Set stage: 3, or build the model "
                 "without zero.Init."
             )
+        deepspeed_state_dict_semantics()
         super().__init__(
             module=module,
             data_parallel_group=data_parallel_group,
