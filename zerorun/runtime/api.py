@@ -133,15 +133,6 @@ def _micro_hint(training_data: Any) -> int | None:
     )
 
 
-def _fill_optimizer_auto(settings: RuntimeSettings, user_opt: Optimizer | None) -> dict[str, Any]:
-    params = dict(settings.optimizer_params)
-    if user_opt is not None:
-        for key, value in list(params.items()):
-            if value == "auto" and key in user_opt.defaults:
-                params[key] = user_opt.defaults[key]
-    return params
-
-
 def _groups(
     module: nn.Module, user_opt: Optimizer | None, model_parameters: Any
 ) -> tuple[dict[int, int] | None, list[dict[str, Any]]]:
@@ -224,9 +215,12 @@ def initialize(
             )
         opt_lib.check_elementwise(type(torch_opt), settings.allow_untested_optimizer)
     elif settings.optimizer_type is not None:
-        params = _fill_optimizer_auto(settings, None)
+        # (A script's own optimizer, above, wins over the config's, `auto` values included.)
         torch_opt = opt_lib.build_from_config(
-            settings.optimizer_type, params, state.param_groups(hypers), placement.optimizer_device
+            settings.optimizer_type,
+            dict(settings.optimizer_params),
+            state.param_groups(hypers),
+            placement.optimizer_device,
         )
     else:
         raise RuntimeConfigError(
