@@ -215,7 +215,11 @@ def check_training_data_loader() -> None:
         train_batch_size=4,
     )
     engine, _, loader, _ = zerorun.initialize(model=model(), config=c, training_data=ds)
-    assert engine.train_micro_batch_size_per_gpu() == 4 and engine.train_batch_size() == 4 and loader.batch_size == 4
+    assert (
+        engine.train_micro_batch_size_per_gpu() == 4
+        and engine.train_batch_size() == 4
+        and loader.batch_size == 4
+    )
     assert isinstance(loader.sampler, torch.utils.data.distributed.DistributedSampler)
     n = 0
     for x, y in loader:
@@ -307,6 +311,39 @@ def check_plain_loss_backward_then_step() -> None:
         e2.step()
     e2.destroy()
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
+
+
+def check_activation_checkpointing() -> None:
+    """torch.utils.checkpoint (reentrant and not) inside the model: same training as plain PyTorch."""
+    from torch.utils.checkpoint import checkpoint
+
+    class Ckpt(nn.Module):
+        def __init__(self, reentrant: bool) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.a, self.b, self.c = nn.Linear(5, 6), nn.Linear(6, 6), nn.Linear(6, 3)
+            self.reentrant = reentrant
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = torch.tanh(self.a(x))
+            h = checkpoint(lambda t: torch.tanh(self.b(t)), h, use_reentrant=self.reentrant)
+            return self.c(h)
+
+    for reentrant in (False, True):
+        m, ref = Ckpt(reentrant), Ckpt(reentrant)
+        c = cfg(optimizer={"type": "AdamW", "params": {"lr": 0.01}}, gradient_accumulation_steps=2)
+        engine, *_ = zerorun.initialize(model=m, config=c)
+        train(engine, 4)
+        engine.destroy()
+        opt = torch.optim.AdamW(ref.parameters(), lr=0.01)
+        for s in range(4):
+            x, y = data(s)
+            (nn.functional.mse_loss(ref(x.requires_grad_(reentrant)), y) / 2).backward()
+            if s % 2 == 1:
+                opt.step()
+                opt.zero_grad()
+        for p, q in zip(m.parameters(), ref.parameters(), strict=True):
+            assert torch.allclose(p, q, rtol=1e-5, atol=1e-6), (reentrant, (p - q).abs().max())
 
 
 CHECKS = [v for k, v in sorted(globals().items()) if k.startswith("check_")]

@@ -12,6 +12,7 @@ from ._spawn import spawn_ranks
 HERE = Path(__file__).resolve().parent
 CHECKS = [
     "check_accumulation_survives_zero_grad",
+    "check_activation_checkpointing",
     "check_adam_means_adamw",
     "check_auto_lr_without_optimizer",
     "check_backward_twice_without_step",
