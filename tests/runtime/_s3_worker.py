@@ -262,8 +262,29 @@ def run_gathered(rank: int, world: int) -> dict:
     masters = gather_masters(engine)
     master_ok = bool((masters["blocks.2.fc1.weight"] == 0.25).all())
     other_ok = bool(torch.equal(masters["blocks.2.fc2.weight"], M.make_model(seed).blocks[2].fc2.weight))
+    # Mistakes get clear errors naming the key / file.
+    errors = []
+    bad = M.make_model(seed).state_dict()
+    bad["blocks.2.fc1.weight"] = torch.zeros(3, 3)
+    try:
+        engine.module.load_state_dict(bad)
+    except RuntimeError as exc:
+        errors.append("size mismatch for blocks.2.fc1.weight" in str(exc))
+    try:
+        zerorun.zero.load_pretrained(engine.module, "/nonexistent/weights.safetensors")
+    except RuntimeConfigError as exc:
+        errors.append("/nonexistent/weights.safetensors" in str(exc))
     engine.destroy()
+    # GatheredParameters on a zero.Init model (before initialize): modify on rank 0.
+    with zerorun.zero.Init(config=config("fp32", 1, 0.0)):
+        torch.manual_seed(seed)
+        early = M.S3Net()
+    with zerorun.zero.GatheredParameters(early.blocks[1].fc2.weight, modifier_rank=0):
+        early.blocks[1].fc2.weight.data.fill_(0.5 if rank == 0 else 9.0)
+    init_modified = bool((early.state_dict()["blocks.1.fc2.weight"] == 0.5).all())
     return {
+        "errors": errors,
+        "init_modified": init_modified,
         "released_shape": list(released_shape),
         "read_ok": read_ok,
         "discarded": discarded,

@@ -153,6 +153,8 @@ def test_gathered_parameters(results, world: int) -> None:  # noqa: ANN001
         assert (
             x["read_ok"] and x["discarded"] and x["modified"] and x["master_ok"] and x["other_master_exact"]
         ), x
+        assert x["init_modified"], "GatheredParameters(modifier_rank=0) on a zero.Init model"
+        assert x["errors"] == [True, True], "load_state_dict / load_pretrained mistakes need clear messages"
 
 
 @pytest.mark.parametrize("world", MULTI)
