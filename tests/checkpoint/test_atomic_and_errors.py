@@ -96,3 +96,19 @@ def test_deepspeed_checkpoint_is_named_as_such(tmp_path):
     (tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"")
     with pytest.raises(CheckpointError, match="is a DeepSpeed checkpoint, not a zerorun one: convert it with DeepSpeed's zero_to_fp32.py"):
         CheckpointReader(tag)
+
+
+def test_save_16bit_model_at_stage3_needs_the_gather_flag(tmp_path, caplog):
+    """DeepSpeed's rule: without stage3_gather_16bit_weights_on_model_save nothing is written,
+    the call says why and returns False (decided before any collective or engine access)."""
+    from types import SimpleNamespace
+
+    from zerorun.runtime.checkpoint.engine_view import save_16bit_model
+
+    engine = SimpleNamespace(
+        settings=SimpleNamespace(stage=3, zero=SimpleNamespace(stage3_gather_16bit_weights_on_model_save=False))
+    )
+    with caplog.at_level(logging.WARNING, logger="zerorun.checkpoint"):
+        assert save_16bit_model(engine, tmp_path, "pytorch_model.bin") is False
+    assert "stage3_gather_16bit_weights_on_model_save: true" in caplog.text
+    assert list(tmp_path.iterdir()) == []
