@@ -5,6 +5,7 @@ process of a job is left on any fake node."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -16,6 +17,7 @@ from pathlib import Path
 import mn_fabric as fabric
 
 SCRIPT = Path(__file__).parent / "scripts" / "train_mn.py"
+_PREFIX_PAD = re.compile(r"^(\[[\w.-]+:\d+\]) +", re.M)
 NAMED_SECRET = "named-secret-value-41"
 UNNAMED_SECRET = "unnamed-secret-value-42"
 
@@ -67,7 +69,9 @@ class Launch:
 
     @property
     def output(self) -> str:
-        return "\n".join(self.lines)
+        """Everything printed so far; the console pads `[host:rank]` prefixes to one width,
+        here they are followed by exactly one space so tests can match `[node1:0] text`."""
+        return _PREFIX_PAD.sub(r"\1 ", "\n".join(self.lines))
 
     def wait_for(self, predicate: Callable[[str], bool], timeout: float) -> None:
         deadline = time.monotonic() + timeout
