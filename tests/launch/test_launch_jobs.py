@@ -182,15 +182,18 @@ def test_module_argv_and_console_filter(tmp_path: Path) -> None:
     pkg.mkdir()
     (pkg / "__init__.py").write_text("")
     (pkg / "train.py").write_text(
-        "import os, sys\nprint('mod', os.environ['RANK'], __name__, sys.argv[1:], sys.path[0] == os.getcwd())\n"
+        "import os, sys\nprint('mod', os.environ['RANK'], __name__, sys.argv[1:], sys.path[0] == os.getcwd(),\n"
+        "      os.environ.get('FOO_T'), 'torch' in sys.modules)\n"
     )
     logs = tmp_path / "logs"
     code, out, err, _ = run(
-        ["--ranks", "1", "--log_dir", str(logs), "-m", "mypkg.train", "--num_gpus", "7", "--config", "x"],
+        ["--ranks", "1", "--env", "FOO_T=a b=c", "--log_dir", str(logs), "-m", "mypkg.train", "--num_gpus", "7",
+         "--config", "x"],
         cwd=tmp_path,
     )
     assert code == 0, err
-    assert out.strip() == "[1] mod 1 __main__ ['--num_gpus', '7', '--config', 'x'] True"
+    # --env arrives verbatim; a CPU rank has not paid for importing torch
+    assert out.strip() == "[1] mod 1 __main__ ['--num_gpus', '7', '--config', 'x'] True a b=c False"
     assert "mod 0 __main__" in (logs / "rank0.log").read_text()
 
     code, out, err, _ = run(["--num_gpus", "1", str(SCRIPTS / "rank_job.py"), "a b", "--num_gpus=9"], env={"ZR_MODE": "hello"})
