@@ -244,6 +244,7 @@ def _build(fabric: Fabric, num_nodes: int) -> None:
                     f"ListenAddress {node.addr}",
                     "ListenAddress 127.0.0.1",  # the node's own loopback (ProxyJump test)
                     "Port 22",
+                    "Port 2222",  # a non-default port (ssh config Port, `[host]:port` known_hosts)
                     f"HostKey {key}",
                     f"AuthorizedKeysFile {authorized}",
                     f"PidFile {base}/sshd_{i}.pid",

@@ -350,22 +350,32 @@ def test_host_keys_accept_new_and_changed(cluster, tmp_path: Path) -> None:  # t
     assert "Traceback" not in out
 
 
-def test_proxy_jump(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    """ProxyJump in ~/.ssh/config: `inside-node1` is 127.0.0.1 *as seen from node1*, reachable
-    only through node1 (the launcher's own loopback has no sshd); both hops' keys are checked."""
+def test_ssh_config_port_and_proxy_jump(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """~/.ssh/config as ssh reads it: `node1-alt` is node1 on port 2222 (known_hosts entry
+    `[addr]:2222`); `inside-node1` is 127.0.0.1 *as seen from node1*, reachable only through
+    ProxyJump node1 (the launcher's own loopback has no sshd), both hops' keys checked."""
     home = tmp_path / "home"
     shutil.copytree(cluster.home, home)
     node1 = cluster.nodes[0]
+    key = home / ".ssh" / "id_ed25519"
     with (home / ".ssh" / "config").open("a") as fh:
-        fh.write(f"Host inside-node1\n    HostName 127.0.0.1\n    User root\n    ProxyJump node1\n"
-                 f"    IdentityFile {home / '.ssh' / 'id_ed25519'}\n")
+        fh.write(f"Host inside-node1\n    HostName 127.0.0.1\n    User root\n    ProxyJump node1\n    IdentityFile {key}\n"
+                 f"Host node1-alt\n    HostName {node1.addr}\n    Port 2222\n    User root\n    IdentityFile {key}\n")
     with (home / ".ssh" / "known_hosts").open("a") as fh:
-        fh.write(f"127.0.0.1 {node1.host_key_pub}\n")
+        fh.write(f"127.0.0.1 {node1.host_key_pub}\n[{node1.addr}]:2222 {node1.host_key_pub}\n")
     hf = tmp_path / "hosts"
-    hf.write_text("inside-node1 slots=1\n")
+    hf.write_text("inside-node1 slots=1\nnode1-alt slots=1\n")
     code, out = run_launcher(["--hostfile", str(hf), *COMMON, str(HELLO), "x"], env=launcher_env(cluster, HOME=str(home)),
                              cwd=tmp_path)
-    assert code == 0 and "[inside-node1:0] HELLO rank=0 node_rank=0" in out and "argv=['x']" in out, out
+    assert code == 0, out
+    assert "[inside-node1:0] HELLO rank=0 node_rank=0" in out and "[node1-alt:1] HELLO rank=1 node_rank=1" in out, out
+    # The port-22 entry of the same address does not vouch for port 2222.
+    (home / ".ssh" / "known_hosts").write_text(cluster.known_hosts_line(node1) + "\n")
+    hf.write_text("node1-alt slots=1\n")
+    code, out = run_launcher(["--hostfile", str(hf), *COMMON, str(HELLO)], env=launcher_env(cluster, HOME=str(home)),
+                             cwd=tmp_path)
+    assert code != 0 and f"host key of node1-alt ({node1.addr}:2222) is not in known_hosts" in out
+    assert f"ssh-keyscan -p 2222 {node1.addr}" in out, out
 
 
 def test_bad_hostfiles_and_hostile_hosts_via_cli(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
