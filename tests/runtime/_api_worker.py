@@ -184,6 +184,14 @@ def check_callable_scheduler_and_config_scheduler() -> None:
     engine.destroy()
 
 
+def check_optimizer_of_another_model() -> None:
+    m = model()
+    opt = torch.optim.AdamW(model().parameters(), lr=0.1)
+    expect_error(
+        lambda: zerorun.initialize(model=m, optimizer=opt, config=cfg()), "not parameters of `model`"
+    )
+
+
 def check_scheduler_bound_elsewhere() -> None:
     m = model()
     other = torch.optim.SGD(model().parameters(), lr=0.1)

@@ -87,6 +87,12 @@ def build_stage(
     if settings.stage in (0, 1, 2):
         from zerorun.runtime.stages import build_flat_stage
 
+        if any(hasattr(p, "_zerorun_init") for p in module.parameters()):
+            # Built under zerorun.zero.Init (a stage-3 tool): stages 0-2 need whole parameters.
+            from zerorun.runtime.stage3.init import materialize_all
+
+            materialize_all(module)
+
         return build_flat_stage(
             settings.stage,
             trainable,
@@ -191,6 +197,15 @@ def initialize(
             f"optimizer must be a torch.optim.Optimizer or a callable(params) -> Optimizer, not {type(optimizer).__name__}"
         )
     group_of, hypers = _groups(model, user_opt, model_parameters)
+    if group_of is not None:
+        mine = {id(p) for p in model.parameters()}
+        strangers = sum(1 for pid in group_of if pid not in mine)
+        if strangers:
+            what = "optimizer" if user_opt is not None else "model_parameters"
+            raise RuntimeConfigError(
+                f"the {what} passed to zerorun.initialize holds {strangers} tensor(s) that are not parameters "
+                "of `model`: build it from model.parameters() (after any change to the model)"
+            )
     trainable, skipped = collect_trainable(model, group_of)
     if skipped and ctx.rank == 0:
         warnings.warn(
