@@ -142,7 +142,7 @@ def test_live_and_prefetch_limits(results, world: int) -> None:  # noqa: ANN001
 def test_zero_init_equals_normal_construction(results, world: int) -> None:  # noqa: ANN001
     for x in results(world)["init_equal"]:
         assert x["placeholders"] and x["same"] and x["shapes_ok"] and x["gpt_same"]
-        assert x["host_ok"] and x["module_same"]
+        assert x["host_ok"] and x["module_same"] and x["stage2_same"]
         assert x["shard_numel"] * world < x["total"] + 64 * world  # ~ total / N (+ per-parameter padding)
 
 

@@ -39,7 +39,7 @@ from torch import nn
 from zerorun.runtime.collectives import Communicator
 from zerorun.runtime.stage3.model_io import install_state_dict_hooks
 
-__all__ = ["InitShard", "InitContext", "partition_module"]
+__all__ = ["InitShard", "InitContext", "partition_module", "materialize_all"]
 
 _INIT_FUNCS = (
     "uniform_",
@@ -127,6 +127,23 @@ def partition_module(module: nn.Module, comm: Communicator, store_device: torch.
         if p.numel() == 0 or hasattr(p, "_zerorun_init") or hasattr(p, "_zerorun_group"):
             continue
         InitShard(p, comm, store_device)
+        n += 1
+    return n
+
+
+def materialize_all(module: nn.Module) -> int:
+    """Make every ``zero.Init`` parameter of ``module`` whole again (collective, one parameter at
+    a time): what stages 0-2 need when a model built under ``zero.Init`` is trained with them."""
+    n = 0
+    seen: set[int] = set()
+    for p in module.parameters():
+        h = getattr(p, "_zerorun_init", None)
+        if h is None or id(p) in seen:
+            continue
+        seen.add(id(p))
+        values = h.materialize().view(h.shape).clone()
+        h.detach_from(p)
+        p.data = values
         n += 1
     return n
 
