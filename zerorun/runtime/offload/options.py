@@ -59,7 +59,7 @@ class OffloadOptions:
         if self.cpu_threads > 0:
             return self.cpu_threads
         n = cores_per_rank()
-        overlaps = self.delayed_update or (self.early_start and self.stage in (1, 2))
+        overlaps = self.delayed_update or (self.early_start and self.stage >= 1)
         return max(1, n - 1) if overlaps and n > 2 else n
 
 
