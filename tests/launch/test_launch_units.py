@@ -275,6 +275,21 @@ class ScriptedRunner:
         pass
 
 
+def test_line_cutting_handles_progress_bars() -> None:
+    """`\\r` redraws become lines at once; `\\r\\n` split across reads is one line end."""
+    from zerorun.launch.local import LocalRunner, _Stream
+
+    got: list[str] = []
+    runner = LocalRunner.__new__(LocalRunner)
+    runner._sink = lambda msg: got.append(msg.text)
+    s = _Stream(0, "stdout", -1)
+    for piece in (b"epoch 1\n\r 10%|#", b"\r 20%|##\r", b"\ndone\r", b"\n\nutf8 \xc3", b"\xa9\n", b"tail"):
+        s.buf += piece
+        runner._emit_lines(s)
+    assert got == ["epoch 1", " 10%|#", " 20%|##", "done", "", "utf8 \u00e9"]
+    assert bytes(s.buf) == b"tail"
+
+
 def test_supervisor_fail_fast_across_nodes_and_node_lost(tmp_path: Path) -> None:
     hosts = [Host("a", (0,)), Host("b", (0,))]
     plan = _plan(hosts)

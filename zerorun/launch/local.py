@@ -19,6 +19,7 @@ over (see `zerorun/shim.py`).
 from __future__ import annotations
 
 import os
+import re
 import selectors
 import signal
 import subprocess
@@ -38,6 +39,7 @@ __all__ = ["LocalRunner", "detect_devices", "job_processes", "kill_job_processes
 _READ_SIZE = 1 << 16
 # A line longer than this is cut (progress bars without newlines, binary junk).
 _MAX_LINE = 1 << 16
+_LINE = re.compile(r"([^\r\n]*)(\r\n|\n|\r)")
 
 
 @dataclass
@@ -244,18 +246,31 @@ class LocalRunner:
 
     def _emit_lines(self, s: _Stream) -> None:
         buf = s.buf
-        end = buf.rfind(b"\n")
-        if end >= 0:
-            chunk = bytes(buf[:end])
-            del buf[: end + 1]
-            if s.kind == "events":
+        if s.kind == "events":
+            end = buf.rfind(b"\n")
+            if end >= 0:
+                chunk = bytes(buf[:end])
+                del buf[: end + 1]
                 for line in chunk.split(b"\n"):
                     self._emit(s, line)
-            else:
+        else:
+            # A carriage return also ends a line: progress bars (tqdm) redraw with `\r` and
+            # never print `\n` until they finish; each redraw becomes a line instead of one
+            # huge late line. A `\r` that is the last byte may be half of `\r\n`: wait.
+            end = max(buf.rfind(b"\n"), buf.rfind(b"\r", 0, len(buf) - 1))
+            if end >= 0:
+                chunk = bytes(buf[: end + 1])
+                del buf[: end + 1]
                 # One decode per chunk, not per line: this is the console's hot path.
                 sink, rank, kind = self._sink, s.rank, s.kind
-                for text in chunk.decode("utf-8", errors="replace").split("\n"):
-                    sink(RankOutput(rank, kind, text[:-1] if text.endswith("\r") else text))  # type: ignore[arg-type]
+                text = chunk.decode("utf-8", errors="replace")
+                if "\r" not in text:
+                    for line in text[:-1].split("\n"):
+                        sink(RankOutput(rank, kind, line))  # type: ignore[arg-type]
+                else:
+                    for m in _LINE.finditer(text):
+                        if m.group(1) or m.group(2) != "\r":  # a bare `\r` redraw of nothing: skip
+                            sink(RankOutput(rank, kind, m.group(1)))  # type: ignore[arg-type]
         if len(buf) > _MAX_LINE:
             self._emit(s, bytes(buf))
             buf.clear()
@@ -266,7 +281,7 @@ class LocalRunner:
             if ev is not None:
                 self._sink(RankEvent(s.rank, ev))
             return
-        text = line.decode("utf-8", errors="replace").rstrip("\r")
+        text = line.decode("utf-8", errors="replace").replace("\r", "")
         self._sink(RankOutput(s.rank, s.kind, text))  # type: ignore[arg-type]
 
 
