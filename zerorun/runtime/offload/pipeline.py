@@ -30,6 +30,7 @@ files) through ``_new_master``, ``_state_tensor``, ``_tile_size`` and ``_tile_vi
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -82,6 +83,12 @@ class HostPlacement(ShardPlacement):
         self.opts = opts
         self.device = device
         self.pin = opts.pin_memory and device.type == "cuda"
+        if device.type == "cuda" and not opts.pin_memory:
+            _hint_once(
+                "zero_optimization.offload_optimizer.pin_memory is false (DeepSpeed's default): host copies are "
+                "synchronous and about half as fast, so they cannot overlap the CPU step; set pin_memory: true "
+                "unless `ulimit -l` is small"
+            )
         self.copier = Copier(device)
         self.runner = StepRunner(opts.step_threads(), device)
         self.delay = DelayPolicy(opts.delayed_update, opts.delayed_warmup)
@@ -339,3 +346,11 @@ class HostPlacement(ShardPlacement):
         if k == len(self.tiles[i]) - 1:
             self._fresh[i] = False
 
+
+_hinted: set[str] = set()
+
+
+def _hint_once(message: str) -> None:
+    if message not in _hinted:
+        _hinted.add(message)
+        warnings.warn(message, stacklevel=3)
