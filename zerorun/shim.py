@@ -44,6 +44,7 @@ _PR_SET_PDEATHSIG = 1
 # The sentinel's wake-up call; a real-time signal nobody else sends to this process group.
 _SENTINEL_SIGNAL = signal.SIGRTMIN + 3
 _DEFAULT_MEMORY_INTERVAL_S = 5.0
+_MAX_TRACEBACK = 1 << 16
 _USAGE = "usage: python -m zerorun.shim SCRIPT [ARGS...] | -m MODULE [ARGS...]"
 
 _gpu_index: int | None = None
@@ -88,7 +89,8 @@ def main(argv: list[str] | None = None) -> None:
             "error",
             type=type(exc).__name__,
             message=str(exc),
-            traceback="".join(traceback.format_exception(type(exc), exc, tb)),
+            # The end of a traceback is what matters; a RecursionError's can be megabytes.
+            traceback="".join(traceback.format_exception(type(exc), exc, tb))[-_MAX_TRACEBACK:],
         )
         sys.excepthook(type(exc), exc, tb)
         sys.exit(1)

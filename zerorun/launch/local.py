@@ -39,6 +39,8 @@ __all__ = ["LocalRunner", "detect_devices", "job_processes", "kill_job_processes
 _READ_SIZE = 1 << 16
 # A line longer than this is cut (progress bars without newlines, binary junk).
 _MAX_LINE = 1 << 16
+# An event is cut only when absurdly long (a cut event is lost: it no longer parses).
+_MAX_EVENT = 1 << 24
 _LINE = re.compile(r"([^\r\n]*)(\r\n|\n|\r)")
 
 
@@ -271,7 +273,7 @@ class LocalRunner:
                     for m in _LINE.finditer(text):
                         if m.group(1) or m.group(2) != "\r":  # a bare `\r` redraw of nothing: skip
                             sink(RankOutput(rank, kind, m.group(1)))  # type: ignore[arg-type]
-        if len(buf) > _MAX_LINE:
+        if len(buf) > (_MAX_EVENT if s.kind == "events" else _MAX_LINE):
             self._emit(s, bytes(buf))
             buf.clear()
 
