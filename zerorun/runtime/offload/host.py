@@ -90,6 +90,20 @@ class Copier:
             done.record(stream)
         return done
 
+    def upload(self, src: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event]:
+        """A new device tensor filled from host ``src`` on the H2D stream, and its done event.
+        The memory is allocated on that stream, so the copy need not wait for the training
+        stream's queued work (it starts at once: a prefetch really runs ahead); the caller fences
+        the consumer stream and ``record_stream``s it there."""
+        assert self._up is not None
+        with self._lock, torch.cuda.device(self.device), torch.cuda.stream(self._up):
+            out = torch.empty(src.shape, dtype=src.dtype, device=self.device)
+            with torch.no_grad():
+                out.copy_(src, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self._up)
+        return out, done
+
     @staticmethod
     def wait(event: torch.cuda.Event | None) -> None:
         """Block this host thread until the copy finished (a host sync, by design: the CPU step

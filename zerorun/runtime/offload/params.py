@@ -3,8 +3,9 @@
 
 * ``cpu``: each shard is a host tensor (page-locked with ``pin_memory``). ``fetch`` -- called
   when stage 3 issues the group's all-gather, i.e. ahead of use when the group is prefetched --
-  starts the host->device copy on a side stream and orders the training stream after it (event
-  wait, no host sync), so the copy is prefetched with the gather.
+  starts the host->device copy on a side stream at once (into memory allocated on that stream,
+  so it does not wait for the compute queued before it) and orders the training stream after it
+  (event wait, no host sync), so the copy is prefetched with the gather.
 * ``nvme``: each shard is a file under ``nvme_path`` mapped into memory; ``fetch`` reads it
   through the page cache into a (pinned) host buffer, then copies it up as above.
 
@@ -62,9 +63,12 @@ class HostParamStore:
         if self._files is not None:
             src = host_empty(shard.numel(), shard.dtype, pin=self.pin)
             src.copy_(shard)  # file pages -> pinned buffer (host thread; page cache)
-        out = torch.empty(shard.numel(), dtype=shard.dtype, device=self.device)
-        done = self.copier.to_device(out, src, self.copier.ready())
+        out, done = self.copier.upload(src)
         self.copier.fence(done)
+        # Allocated on the copy stream, used on the training stream (and the gather's stream,
+        # which stage 3 orders back into it before release): keep the block until that work is
+        # done. (The one record_stream in offload: the buffer changes streams by design.)
+        out.record_stream(torch.cuda.current_stream(self.device))
         return out
 
     def release(self, key: int, fetched: torch.Tensor) -> None:
