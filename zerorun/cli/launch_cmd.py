@@ -57,48 +57,48 @@ def _version(value: bool) -> None:
 def launch(
     script: Optional[str] = typer.Argument(None, metavar="SCRIPT", help="Python script every rank runs."),  # noqa: UP045
     script_args: Optional[list[str]] = typer.Argument(  # noqa: UP045
-        None, metavar="[ARGS]...", help="Arguments of the script, passed on unchanged."
+        None, metavar="ARGS", help="Arguments of the script, passed on unchanged."
     ),
     module: Optional[str] = typer.Option(None, "-m", metavar="MODULE", help="Run a module, like python -m."),  # noqa: UP045
     module_flag: bool = typer.Option(
         False, "--module", help="SCRIPT is a module name (DeepSpeed's and torchrun's spelling of -m)."
     ),
     num_gpus: Optional[int] = typer.Option(  # noqa: UP045
-        None, "--num-gpus", min=1, help="Ranks per node (default: every visible GPU; 2 CPU ranks without GPU)."
+        None, "--num-gpus", metavar="N", min=1, help="Ranks per node (default: every visible GPU; 2 CPU ranks without GPU)."
     ),
-    nproc_per_node: Optional[int] = typer.Option(None, "--nproc-per-node", min=1, help="Same as --num-gpus (torchrun)."),  # noqa: UP045
-    include: Optional[str] = typer.Option(None, "--include", help="Hosts/slots to use: localhost:0,2 or host1:0-3@host2."),  # noqa: UP045
-    exclude: Optional[str] = typer.Option(None, "--exclude", help="Hosts/slots to leave out (same syntax)."),  # noqa: UP045
+    nproc_per_node: Optional[int] = typer.Option(None, "--nproc-per-node", metavar="N", min=1, help="Same as --num-gpus (torchrun)."),  # noqa: UP045
+    include: Optional[str] = typer.Option(None, "--include", metavar="SELECTOR", help="Hosts/slots to use: localhost:0,2 or host1:0-3@host2."),  # noqa: UP045
+    exclude: Optional[str] = typer.Option(None, "--exclude", metavar="SELECTOR", help="Hosts/slots to leave out (same syntax)."),  # noqa: UP045
     device: Optional[str] = typer.Option(  # noqa: UP045
         None, "--device", metavar="[auto|cuda|cpu]", help="Where ranks run (default auto: cuda when GPUs are visible)."
     ),
     ranks_per_gpu: Optional[int] = typer.Option(  # noqa: UP045
-        None, "--ranks-per-gpu", min=1, help="K ranks share one GPU (rank uses GPU LOCAL_RANK // K; gloo)."
+        None, "--ranks-per-gpu", metavar="K", min=1, help="K ranks share one GPU (rank uses GPU LOCAL_RANK // K; gloo)."
     ),
-    master_addr: Optional[str] = typer.Option(None, "--master-addr", help="Address of rank 0 (default: first host)."),  # noqa: UP045
+    master_addr: Optional[str] = typer.Option(None, "--master-addr", metavar="HOST", help="Address of rank 0 (default: first host)."),  # noqa: UP045
     master_port: Optional[int] = typer.Option(  # noqa: UP045
-        None, "--master-port", min=1, max=65535, help="Rendezvous port (default: a free port)."
+        None, "--master-port", metavar="PORT", min=1, max=65535, help="Rendezvous port (default: a free port)."
     ),
-    config: Optional[str] = typer.Option(None, "--config", help="Config file (YAML or DeepSpeed JSON) to validate and use."),  # noqa: UP045
-    log_dir: Optional[str] = typer.Option(None, "--log-dir", help="Write rankN.log, events.jsonl and summary.json here."),  # noqa: UP045
+    config: Optional[str] = typer.Option(None, "--config", metavar="FILE", help="Config file (YAML or DeepSpeed JSON) to validate and use."),  # noqa: UP045
+    log_dir: Optional[str] = typer.Option(None, "--log-dir", metavar="DIR", help="Write rankN.log, events.jsonl and summary.json here."),  # noqa: UP045
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the rank table and environment; start nothing."),
-    ranks: Optional[str] = typer.Option(None, "--ranks", help="Show only these ranks on the console (0 or 0,2-3)."),  # noqa: UP045
+    ranks: Optional[str] = typer.Option(None, "--ranks", metavar="RANKS", help="Show only these ranks on the console (0 or 0,2-3)."),  # noqa: UP045
     pg_timeout: Optional[float] = typer.Option(  # noqa: UP045
-        None, "--pg-timeout", min=1, help="Process-group timeout in seconds for zerorun.initialize (default 600)."
+        None, "--pg-timeout", metavar="SECONDS", min=1, help="Process-group timeout in seconds for zerorun.initialize (default 600)."
     ),
     grace_period: float = typer.Option(
-        5.0, "--grace-period", min=0, help="Seconds ranks get after SIGTERM before SIGKILL."
+        5.0, "--grace-period", metavar="SECONDS", min=0, help="Seconds ranks get after SIGTERM before SIGKILL."
     ),
     hang_timeout: Optional[float] = typer.Option(  # noqa: UP045
-        None, "--hang-timeout", min=1, help="Seconds of silence from every rank before stacks are dumped and the job stopped."
+        None, "--hang-timeout", metavar="SECONDS", min=1, help="Seconds of silence from every rank before stacks are dumped and the job stopped."
     ),
-    hostfile: Optional[str] = typer.Option(None, "--hostfile", help="DeepSpeed hostfile: run on several nodes over SSH."),  # noqa: UP045
-    num_nodes: Optional[int] = typer.Option(None, "--num-nodes", min=1, help="Use the first N hosts of the hostfile."),  # noqa: UP045
+    hostfile: Optional[str] = typer.Option(None, "--hostfile", metavar="FILE", help="DeepSpeed hostfile: run on several nodes over SSH."),  # noqa: UP045
+    num_nodes: Optional[int] = typer.Option(None, "--num-nodes", metavar="N", min=1, help="Use the first N hosts of the hostfile."),  # noqa: UP045
     ssh_accept_new_hosts: bool = typer.Option(
         False, "--ssh-accept-new-hosts", help="Trust unknown SSH host keys on first use."
     ),
-    remote_python: Optional[str] = typer.Option(None, "--remote-python", help="Python on the nodes (default: this one's path)."),  # noqa: UP045
-    remote_cwd: Optional[str] = typer.Option(None, "--remote-cwd", help="Working directory on the nodes (default: this cwd)."),  # noqa: UP045
+    remote_python: Optional[str] = typer.Option(None, "--remote-python", metavar="PATH", help="Python on the nodes (default: this one's path)."),  # noqa: UP045
+    remote_cwd: Optional[str] = typer.Option(None, "--remote-cwd", metavar="DIR", help="Working directory on the nodes (default: this cwd)."),  # noqa: UP045
     env: Optional[list[str]] = typer.Option(  # noqa: UP045
         None, "--env", metavar="KEY=VAL", help="Set a variable for every rank (repeatable; KEY alone copies it)."
     ),
