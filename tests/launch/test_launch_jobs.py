@@ -258,3 +258,12 @@ def test_ranks_ignoring_sigterm_are_killed_after_the_grace_period(tmp_path: Path
         kill_tagged(launch.tag)
         launch.proc.kill()
         launch.proc.wait(timeout=10)
+
+
+def test_children_left_by_a_finished_rank_are_removed(tmp_path: Path) -> None:
+    code, out, err, tag = run(
+        ["--num_gpus", "2", str(RANK_JOB)], env={"ZR_MODE": "orphan", "ZR_PID_FILE": str(tmp_path / "pid")}
+    )
+    assert code == 0, err
+    assert "[0] orphan gone" in out
+    assert not wait_until_gone(tag, 5)

@@ -75,6 +75,31 @@ def spawn_children() -> None:
 def main() -> None:
     if MODE == "hello":
         print(f"hello {RANK}/{WORLD} argv={sys.argv[1:]} name={__name__}")
+    elif MODE == "orphan":
+        # Rank 1 leaves a detached child behind and exits 0; rank 0 watches that child die
+        # (the rank's sentinel removes it) while the job is still running.
+        pid_file = os.environ["ZR_PID_FILE"]
+        if RANK == 1:
+            child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"], start_new_session=True)
+            with open(pid_file + ".tmp", "w") as fh:
+                fh.write(str(child.pid))
+            os.rename(pid_file + ".tmp", pid_file)
+            return
+        deadline = time.monotonic() + 20
+        while not os.path.exists(pid_file) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        pid = int(open(pid_file).read())
+        while time.monotonic() < deadline:
+            try:
+                with open(f"/proc/{pid}/stat") as fh:
+                    if fh.read().rsplit(")", 1)[1].split()[0] == "Z":
+                        break
+            except OSError:
+                break
+            time.sleep(0.05)
+        else:
+            raise SystemExit("the orphan of rank 1 is still alive")
+        print("orphan gone", flush=True)
     elif MODE == "ignore_term":
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         print(f"ready {RANK}", flush=True)
