@@ -1,0 +1,115 @@
+"""Pieces of the layer that need no process group: optimizers, config resolution, argument
+parsing, checkpoint helpers, and what the launcher does with --deepspeed-compat (dry runs)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from zerorun.compat.deepspeed import add_config_arguments
+from zerorun.compat.deepspeed.checkpoint.utils import clone_tensors_for_torch_save
+from zerorun.compat.deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
+from zerorun.compat.deepspeed.runtime.engine import _config_dict, _runtime_view
+from zerorun.compat.deepspeed.runtime.lr_schedules import VALID_LR_SCHEDULES
+from zerorun.errors import RuntimeConfigError
+
+from ._run import run
+
+
+def _params(seed: int) -> list[torch.nn.Parameter]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(5, 3, generator=g)), torch.nn.Parameter(torch.randn(7, generator=g))]
+
+
+@pytest.mark.parametrize("adamw", [True, False])
+def test_cpu_adam_honours_per_group_hyperparameters(adamw: bool) -> None:
+    """accelerate replaces the Trainer's optimizer by DeepSpeedCPUAdam(its param_groups, lr=,
+    weight_decay=, adamw_mode=): betas/eps/weight decay of each group must survive."""
+    cls = torch.optim.AdamW if adamw else torch.optim.Adam
+    a = _params(0)
+    b = [torch.nn.Parameter(p.detach().clone()) for p in a]
+    hf = cls(
+        [
+            {"params": a[:1], "lr": 0.01, "betas": (0.8, 0.95), "eps": 1e-6, "weight_decay": 0.1},
+            {"params": a[1:], "lr": 0.02, "betas": (0.9, 0.99), "eps": 1e-8, "weight_decay": 0.0},
+        ],
+        lr=0.05,
+        weight_decay=0.3,
+    )
+    reference = cls(
+        [dict(g, params=[q]) for g, q in zip(hf.param_groups, b, strict=True)], lr=0.05, weight_decay=0.3
+    )
+    ds = DeepSpeedCPUAdam(hf.param_groups, lr=0.05, weight_decay=0.3, adamw_mode=adamw)
+    assert [g["params"] for g in hf.param_groups] == [a[:1], a[1:]]  # the Trainer's groups untouched
+    assert hf.param_groups[0] is not ds.param_groups[0]
+    for step in range(3):
+        for p, q in zip(a, b, strict=True):
+            grad = torch.full_like(p, 0.1 * (step + 1)) + p.detach() * 0.01
+            p.grad, q.grad = grad.clone(), grad.clone()
+        ds.step()
+        reference.step()
+    for p, q in zip(a, b, strict=True):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-7)
+
+
+def test_optimizer_standins_refuse_what_they_cannot_do() -> None:
+    with pytest.raises(RuntimeConfigError, match="bias_correction"):
+        DeepSpeedCPUAdam(_params(0), bias_correction=False)
+    with pytest.raises(RuntimeConfigError, match="AMSGrad"):
+        FusedAdam(_params(0), amsgrad=True)
+
+
+def test_config_comes_from_where_deepspeed_takes_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "ds.json"
+    path.write_text('{"train_micro_batch_size_per_gpu": 2, // comment\n "zero_optimization": {"stage": 2}}')
+    monkeypatch.delenv("ZERORUN_CONFIG_JSON", raising=False)
+    monkeypatch.delenv("ZERORUN_CONFIG", raising=False)
+    args = argparse.Namespace(deepspeed_config=str(path))
+    assert _config_dict(args, None, None)["zero_optimization"] == {"stage": 2}
+    given = {"zero_optimization": {"stage": 1}}
+    assert _config_dict(None, None, given) is given  # engine.config is the caller's dict
+    with pytest.raises(RuntimeConfigError, match="config twice"):
+        _config_dict(args, given, None)
+    with pytest.raises(RuntimeConfigError, match="no config"):
+        _config_dict(None, None, None)
+    monkeypatch.setenv("ZERORUN_CONFIG_JSON", json.dumps(given))
+    assert _config_dict(argparse.Namespace(), None, None) == given
+    # accelerate's "never print" is not a count zerorun's schema accepts; it prints nothing anyway.
+    assert "steps_per_print" not in _runtime_view({"steps_per_print": float("inf"), "a": 1})
+
+
+def test_add_config_arguments() -> None:
+    parser = add_config_arguments(argparse.ArgumentParser())
+    args = parser.parse_args(["--deepspeed", "--deepspeed_config", "ds.json"])
+    assert args.deepspeed is True and args.deepspeed_config == "ds.json"
+
+
+def test_clone_tensors_for_torch_save_copies_views() -> None:
+    flat = torch.arange(10.0)
+    item = {"a": flat[:3], "b": [flat[3:5], (flat[5:6], 7)]}
+    out = clone_tensors_for_torch_save(item)
+    assert out["a"].untyped_storage().nbytes() == 3 * 4
+    assert out["b"][1][1] == 7 and torch.equal(out["b"][0], flat[3:5])
+    assert VALID_LR_SCHEDULES == ["LRRangeTest", "OneCycle", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR"]
+
+
+def _dry_run(*args: str) -> str:
+    return run(["-m", "zerorun", "--dry-run", "--num_gpus", "2", "--device", "cpu", *args], timeout=60).stdout
+
+
+def test_launcher_switch_sets_the_variable_and_local_rank(tmp_path: Path) -> None:
+    # examples/toy.py does not declare --local_rank: passed only with --deepspeed-compat, as
+    # DeepSpeed's launcher passes it to every script.
+    plain = _dry_run("examples/toy.py")
+    assert "ZERORUN_DEEPSPEED_COMPAT" not in plain and "--local_rank" not in plain
+    compat = _dry_run("--deepspeed-compat", "examples/toy.py")
+    assert "ZERORUN_DEEPSPEED_COMPAT=1" in compat and "examples/toy.py --local_rank=0" in compat
+    assert "--local_rank" not in _dry_run("--deepspeed_compat", "--no-local-rank", "examples/toy.py")
+    cfg = tmp_path / "ds.json"
+    cfg.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "launcher": {"deepspeed_compat": True}}))
+    from_config = _dry_run("examples/toy.py", "--deepspeed", str(cfg))
+    assert "ZERORUN_DEEPSPEED_COMPAT=1" in from_config and "--local_rank=0" in from_config
