@@ -198,7 +198,7 @@ def run_case(case: oc.OCase, rank: int, world: int, nvme_dir: str) -> dict | Non
     engine, _, _, _ = zerorun.initialize(model=model, config=config_for(case, nvme_dir))
     placement = engine.stage.state.placement
     inject = {tuple(x) for x in case.inject}
-    losses, norms, scales_before, in_flight = [], [], [], []
+    losses, norms, scales_before, in_flight, queued = [], [], [], [], []
     for step in range(case.steps):
         scales_before.append(engine.get_loss_scale())
         for micro in range(case.accum):
@@ -206,6 +206,8 @@ def run_case(case: oc.OCase, rank: int, world: int, nvme_dir: str) -> dict | Non
             loss = engine(ids.to(engine.device), tgt.to(engine.device))
             losses.append(loss.item())
             engine.backward(loss * math.inf if (step, rank) in inject else loss)
+            if micro == case.accum - 1:  # CPU steps already queued when backward returns
+                queued.append(len(getattr(placement, "_early_work", [])))
             engine.step()
         runner = getattr(placement, "runner", None)
         in_flight.append(bool(runner is not None and runner.busy))  # a delayed step still running
@@ -223,6 +225,8 @@ def run_case(case: oc.OCase, rank: int, world: int, nvme_dir: str) -> dict | Non
         "max_tiles": max((len(t) for t in getattr(placement, "tiles", [])), default=0),
         "delayed_steps": getattr(placement, "delayed_steps", 0),
         "early_steps": getattr(placement, "early_steps", 0),
+        "queued_in_backward": queued,
+        "n_buffers": len(engine.stage.layouts),
         "steps_taken": getattr(placement, "steps", 0),
         "skipped_steps": engine.skipped_steps,
         "memory": memory,

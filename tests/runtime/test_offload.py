@@ -85,6 +85,10 @@ def test_offload_matches_reference(results, world: int, case: OCase) -> None:  #
     early = early and case.stage in (1, 2, 3)
     expect_early = (case.warmup if case.delayed else case.steps) if early else 0
     assert all(x["early_steps"] == expect_early for x in ranks), (ranks[0]["early_steps"], expect_early)
+    if early and not case.delayed:  # every flat buffer's CPU step was queued during backward
+        assert all(q == [x["n_buffers"]] * case.steps for x in ranks for q in [x["queued_in_backward"]]), [
+            (x["queued_in_backward"], x["n_buffers"]) for x in ranks
+        ]
     if case.param != "none":
         assert all(x["store_fetches"] and x["store_fetches"] >= case.steps for x in ranks)
     if case.device == "nvme":
