@@ -44,6 +44,10 @@ def test_owned_pieces_split_replicated_and_keep_partitioned():
     got = [(f.name, s, e) for f, s, e in owned_pieces(frags, 1, 3)]
     assert got == [("a", 4, 8), ("b", 3, 7)]
     assert [(f.name, s, e) for f, s, e in owned_pieces(frags, 2, 3)] == [("a", 8, 10), ("b", 3, 7)]
+    # buffers may differ between ranks (BatchNorm statistics): rank 0 writes them whole
+    buf = [Fragment("bn.running_mean", "buffer", 0, 10, t, replicated=True)]
+    assert [(s, e) for _, s, e in owned_pieces(buf, 0, 3)] == [(0, 10)]
+    assert owned_pieces(buf, 1, 3) == [] and owned_pieces(buf, 2, 3) == []
 
 
 @pytest.mark.parametrize(

@@ -6,7 +6,8 @@ for one *kind* of state:
   - ``weight``: the parameter's most precise values: the fp32 master where training is mixed
     precision, the parameter itself otherwise (16-bit copies are a cast of it, so they are not
     stored twice);
-  - ``buffer``: a module buffer that is part of ``state_dict()`` (always replicated);
+  - ``buffer``: a module buffer that is part of ``state_dict()`` (replicated; rank 0's values
+    are the ones written, see `owned_pieces`);
   - ``optim.<key>``: an elementwise optimizer state tensor (``optim.exp_avg``, ...).
 Each rank writes the fragments it owns. At ZeRO stages 1-3 a rank's slice of a flat buffer
 crosses parameter boundaries, so it owns pieces of several parameters; a *replicated* tensor
@@ -132,11 +133,16 @@ def even_chunk(numel: int, rank: int, world_size: int) -> tuple[int, int]:
 def owned_pieces(fragments: Iterable[Fragment], rank: int, world_size: int) -> list[tuple[Fragment, int, int]]:
     """What this rank writes: (fragment, start, end) with replicated tensors cut to its chunk.
 
-    Empty ranges are dropped. Ranges are absolute (in the parameter's flattened tensor).
+    Buffers are the exception: ranks may hold different values (BatchNorm statistics without
+    SyncBatchNorm), and a patchwork of ranks' chunks would match none of them, so rank 0
+    writes every buffer whole (DeepSpeed saves rank 0's module state too). Empty ranges are
+    dropped. Ranges are absolute (in the parameter's flattened tensor).
     """
     out: list[tuple[Fragment, int, int]] = []
     for f in fragments:
-        if f.replicated:
+        if f.replicated and f.kind == BUFFER:
+            s, e = (f.start, f.end) if rank == 0 else (f.start, f.start)
+        elif f.replicated:
             s, e = even_chunk(f.end - f.start, rank, world_size)
             s, e = f.start + s, f.start + e
         else:
