@@ -16,6 +16,7 @@ given it as ``dst``). On a CPU training device (tests) ``fetch`` returns the sha
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -100,6 +101,15 @@ class DeviceWithParamStore(DevicePlacement):
     def __init__(self, device: torch.device, store: HostParamStore) -> None:
         super().__init__(device)
         self.param_store = store
+
+    def make_master(
+        self, index: int, param_shard: torch.Tensor, fp32_init: Callable[[], torch.Tensor]
+    ) -> torch.Tensor:
+        # The at-rest shard is on the host now: even in fp32 training it cannot double as the
+        # master the device optimizer steps, so the master is a device copy.
+        if param_shard.device == self.device:
+            return super().make_master(index, param_shard, fp32_init)
+        return fp32_init().to(self.device, torch.float32, copy=True)
 
     def add_memory(self, ledger: Any) -> None:
         self.param_store.add_memory(ledger)
