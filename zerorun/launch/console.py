@@ -125,6 +125,7 @@ def breakdown_rows(result: JobResult) -> tuple[list[str], list[list[str]]]:
 
 def failure_lines(result: JobResult) -> list[str]:
     lines = [result.message] if result.message else []
+    lines.extend(result.hang_report)
     if result.first_failure is not None:
         s = next(x for x in result.ranks if x.rank == result.first_failure)
         lines.append(f"rank {s.rank} on {s.spec.host} (pid {s.pid}): {describe_exit(s.returncode or 0)}")
