@@ -186,6 +186,7 @@ def activate(*, announce: bool = True) -> None:
             "layer was activated; activate it first (zerorun --deepspeed-compat does so before the script runs)"
         )
     _install()
+    _pin_accelerate_device()
     if announce and real is not None and os.environ.get("RANK", "0") == "0":
         version, where = real
         sys.stderr.write(
@@ -193,6 +194,20 @@ def activate(*, announce: bool = True) -> None:
             f"not the DeepSpeed {version} installed at {where}; to use that one, launch with `deepspeed` "
             "instead of `zerorun --deepspeed-compat`\n"
         )
+
+
+def _pin_accelerate_device() -> None:
+    """accelerate puts a rank on GPU ``LOCAL_RANK % device_count``; with ``--ranks_per_gpu K``
+    zerorun uses ``LOCAL_RANK // K`` (the shim already selected it). accelerate takes an
+    explicit device from ACCELERATE_TORCH_DEVICE, so both agree."""
+    if os.environ.get("ZERORUN_DEVICE") != "cuda" or "ACCELERATE_TORCH_DEVICE" in os.environ:
+        return
+    try:
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        per_gpu = max(1, int(os.environ.get("ZERORUN_RANKS_PER_GPU", "1")))
+    except ValueError:
+        return
+    os.environ["ACCELERATE_TORCH_DEVICE"] = f"cuda:{local // per_gpu}"
 
 
 def deactivate() -> None:
