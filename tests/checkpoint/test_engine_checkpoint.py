@@ -237,3 +237,19 @@ def test_resume_with_nvme_offload_and_save_from_it(reference, tmp_path):
     sd = load_file(str(tmp_path / "hf" / "model.safetensors"))
     for k in sd:
         torch.testing.assert_close(sd[k], ref5[k], rtol=RTOL, atol=ATOL)
+
+
+def test_bf16_resume_at_world1_stage0(tmp_path):
+    """bf16 (bf16 compute, fp32 masters): saved at world 2 stage 2, resumed at world 1 stage 0;
+    losses within the stage tests' bf16 tolerance (2^-7 relative: a 16-bit value may differ
+    by one rounding when the fp32 gradient sums run in another order)."""
+    ckpt = str(tmp_path / "ckpt")
+    results, ref = _run(tmp_path, 2, {"stage": 2, "precision": "bf16", "ckpt": ckpt, "steps_to": 6, "save_at": [3]}, name="bf16ref")
+    _ok(results)
+    results, out = _run(tmp_path, 1, {"stage": 0, "precision": "bf16", "ckpt": ckpt, "load": "", "steps_to": 6}, name="bf16w1")
+    _ok(results)
+    for s in range(4, 7):
+        assert out["losses"][str(s)] == pytest.approx(ref["losses"][str(s)], rel=2.0**-7), s
+    with CheckpointReader(Path(ckpt) / "global_step3") as rd:
+        assert rd.meta.precision == "bf16" and rd.params["l1.weight"].dtype == "bfloat16"
+        assert rd.read_full("l1.weight").dtype == torch.float32  # the fp32 master is what is stored
