@@ -116,6 +116,7 @@ def test_consolidated_torch_shards_and_bf16(tmp_path):
         app,
         [str(tmp_path / "ckpt"), str(out), "--format", "torch", "--dtype", "bf16", "--max_shard_size", "300B", "--tag", "global_step3"],
     )
+    assert "wrote pytorch_model-00001-of-" in res.output  # progress, one line per file
     index = json.loads((out / "pytorch_model.bin.index.json").read_text())
     files = sorted(set(index["weight_map"].values()))
     assert len(files) > 1 and all(f.startswith("pytorch_model-") and f.endswith(f"-of-{len(files):05d}.bin") for f in files)

@@ -63,9 +63,12 @@ def consolidate(
 
     from zerorun.runtime.checkpoint.consolidate import consolidate as run
 
+    def progress(path: Path, size: int) -> None:
+        typer.echo(f"  wrote {path.name} ({size / 1e9:.3f} GB)", err=True)
+
     result = run(
         ckpt_dir, out, tag=tag, dtype=None if dtype == "auto" else dtype, fmt=fmt, max_shard_size=limit,
-        overwrite=overwrite,
+        overwrite=overwrite, on_file=progress,
     )
     gb = result.total_bytes / 1e9
     typer.echo(

@@ -94,10 +94,12 @@ def write_state_dict(
     max_shard_size: int = 5 * 10**9,
     tied: dict[str, str] | None = None,
     single_file: str | None = None,
+    on_file: Callable[[Path, int], None] | None = None,
 ) -> list[Path]:
     """Write tensors (in order) to `out_dir`, calling `produce` for each exactly once, in order.
 
-    `single_file` forces one file of that name (``save_16bit_model``'s behaviour).
+    `single_file` forces one file of that name (``save_16bit_model``'s behaviour). `on_file`
+    is called with each finished file and its size in bytes (progress for long exports).
     """
     if fmt not in FORMATS:
         raise CheckpointError(f"unknown format {fmt!r}: use one of {', '.join(FORMATS)}")
@@ -122,6 +124,8 @@ def write_state_dict(
             del sd
         written.append(path)
         weight_map.update({t.name: fname for t in shard})
+        if on_file is not None:
+            on_file(path, path.stat().st_size)
     if index_name is not None:
         index = {
             "metadata": {"total_size": sum(t.nbytes for t in tensors), "zerorun_tied": dict(tied or {})},
@@ -209,6 +213,7 @@ def consolidate(
     fmt: str = "safetensors",
     max_shard_size: int = 5 * 10**9,
     overwrite: bool = False,
+    on_file: Callable[[Path, int], None] | None = None,
 ) -> ConsolidateResult:
     """Build a full state dict from a sharded checkpoint (see the module docstring).
 
@@ -230,6 +235,7 @@ def consolidate(
             fmt=fmt,
             max_shard_size=max_shard_size,
             tied=meta.tied,
+            on_file=on_file,
         )
     return ConsolidateResult(tag_dir, files, len(tensors), sum(t.nbytes for t in tensors), dict(meta.tied))
 
