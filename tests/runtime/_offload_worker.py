@@ -226,6 +226,7 @@ def run_case(case: oc.OCase, rank: int, world: int, nvme_dir: str) -> dict | Non
         "delayed_steps": getattr(placement, "delayed_steps", 0),
         "early_steps": getattr(placement, "early_steps", 0),
         "queued_in_backward": queued,
+        "profile": getattr(placement, "last_profile", {}),
         "n_buffers": len(engine.stage.layouts),
         "steps_taken": getattr(placement, "steps", 0),
         "skipped_steps": engine.skipped_steps,

@@ -72,6 +72,8 @@ def test_offload_matches_reference(results, world: int, case: OCase) -> None:  #
     if case.device == "cpu" or (case.device == "nvme" and case.model == "wide"):  # NVMe tiles: >= 1024
         assert all(x["max_tiles"] >= 2 for x in ranks), ranks[0]["max_tiles"]
     if case.device != "none":
+        prof = ranks[0]["profile"]  # where the last step's time went (docs/offload.md)
+        assert prof["main_wait_s"] >= 0 and (case.optim == "sgd" or case.delayed or prof["adam_s"] > 0), prof
         taken = case.steps - sum(1 for _ in case.inject)
         assert all(x["steps_taken"] == taken for x in ranks)
     if case.delayed:

@@ -30,6 +30,7 @@ files) through ``_new_master``, ``_state_tensor``, ``_tile_size`` and ``_tile_vi
 
 from __future__ import annotations
 
+import time
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -110,6 +111,12 @@ class HostPlacement(ShardPlacement):
         self.steps = 0  # optimizer steps taken (delayed ones included)
         self.delayed_steps = 0
         self.early_steps = 0  # steps whose CPU work started during backward
+        # Where the last step's time went (seconds; what limits offload on a given machine):
+        # gradient_wait_s / io_wait_s / adam_s / staging_s on the worker, main_wait_s the
+        # training thread blocked on it. With the delayed update the worker's share is the
+        # previous step's.
+        self.last_profile: dict[str, float] = {}
+        self._prof: dict[str, float] = {}
 
     # -- storage (subclasses) -----------------------------------------------------------------
     def _new_master(self, index: int, numel: int, fp32_init: Callable[[], torch.Tensor]) -> torch.Tensor:
@@ -198,6 +205,16 @@ class HostPlacement(ShardPlacement):
         self.copier.fence(self._last_down)
 
     def step(self, optimizer: Optimizer) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._step(optimizer)
+        finally:
+            self._add("main_wait_s", time.perf_counter() - t0)
+
+    def _add(self, key: str, seconds: float) -> None:
+        self._prof[key] = self._prof.get(key, 0.0) + seconds
+
+    def _step(self, optimizer: Optimizer) -> None:
         if self._early is not None:
             self._finish_early()
             return
@@ -261,6 +278,7 @@ class HostPlacement(ShardPlacement):
             self._push(index, dst)
 
     def after_write_back(self) -> None:
+        self.last_profile, self._prof = self._prof, {}
         self.copier.fence(self._last_up)
         job, self._launch = self._launch, None
         if job is not None:
@@ -318,9 +336,14 @@ class HostPlacement(ShardPlacement):
                     for k, (a, b) in enumerate(self.tiles[i]):
                         self._stage_tile(i, k, a, b, m[a:b], push)
                 return
-            for t in self._tile_views(job, list(range(len(self.masters))) if indices is None else indices):
-                h, state = job.hypers[t.i], job.states[t.i]
+            views = self._tile_views(job, list(range(len(self.masters))) if indices is None else indices)
+            clock = time.perf_counter
+            t0 = clock()
+            for t in views:
+                t1 = clock()
                 Copier.wait(self._grad_ev[t.i][t.k])
+                t2 = clock()
+                h, state = job.hypers[t.i], job.states[t.i]
                 if h is not None and state is not None:
                     adam_tile(
                         t.param,
@@ -331,7 +354,14 @@ class HostPlacement(ShardPlacement):
                         state["step"],
                         h,
                     )
+                t3 = clock()
                 self._stage_tile(t.i, t.k, t.a, t.b, t.param, push)
+                t4 = clock()
+                self._add("io_wait_s", t1 - t0)  # NVMe: waiting for the tile read (in memory: ~0)
+                self._add("gradient_wait_s", t2 - t1)
+                self._add("adam_s", t3 - t2)
+                self._add("staging_s", t4 - t3)
+                t0 = clock()
 
     def _stage_tile(self, i: int, k: int, a: int, b: int, updated: torch.Tensor, push: bool) -> None:
         Copier.wait(self._up_ev[i][k])  # the previous copy out of this staging tile is done
