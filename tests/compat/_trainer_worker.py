@@ -2,8 +2,8 @@
 
     python tests/compat/_trainer_worker.py WORKDIR CASE [CASE ...]
 
-A case is ``plain`` (Trainer without DeepSpeed: the reference) or
-``s{stage}-{hf|cfg}[-cpu][-resume]``: ZeRO stage, optimizer built by the Trainer (``hf``) or
+A case is ``plain`` (Trainer without DeepSpeed: the reference), ``article`` (the article's
+section 3.3 ds_config.json file) or ``s{stage}-{hf|cfg}[-cpu][-resume]``: ZeRO stage, optimizer built by the Trainer (``hf``) or
 from the config's ``optimizer`` section (``cfg``), CPU optimizer offload, and a second run that
 resumes from the first run's ``checkpoint-2``. Every case trains the same tiny GPT-2 (built from
 a config, saved once, loaded with ``from_pretrained``: under stage 3 through ``zero.Init``) for
@@ -103,8 +103,14 @@ def run(work: Path, case: str) -> dict:
     from transformers import GPT2LMHeadModel, Trainer, TrainingArguments
 
     parts = case.split("-")
-    deepspeed = None
-    if case != "plain":
+    deepspeed: dict | str | None = None
+    if case == "article":
+        # The article's section 3.3 ds_config.json with the two edits transformers 5 needs with
+        # DeepSpeed too: no `//` comment (accelerate reads plain JSON) and `amp.enabled: false`
+        # (nothing fills that `auto` any more).
+        deepspeed = str(Path(__file__).with_name("article_ds_config.json"))
+        os.environ.update(LOCAL_RANK="0", RANK="0", WORLD_SIZE="1")
+    elif case != "plain":
         stage = int(parts[0][1:])
         deepspeed = ds_config(stage, parts[1] == "cfg", "cpu" in parts)
         os.environ.update(LOCAL_RANK="0", RANK="0", WORLD_SIZE="1")
@@ -134,7 +140,7 @@ def run(work: Path, case: str) -> dict:
     # TrainingArguments first: under stage 3 from_pretrained must see the DeepSpeed config.
     model = GPT2LMHeadModel.from_pretrained(make_model_dir(work))
     result: dict = {"case": case}
-    if deepspeed is not None and deepspeed["zero_optimization"]["stage"] == 3:
+    if isinstance(deepspeed, dict) and deepspeed["zero_optimization"]["stage"] == 3:
         # Partitioned by zero.Init inside from_pretrained: this rank holds 1/world of each.
         result["partitioned_at_load"] = all(hasattr(p, "ds_numel") for p in model.parameters())
     trainer = Trainer(model=model, args=args, train_dataset=RandomTokens(20, 1), eval_dataset=RandomTokens(8, 2))
