@@ -4,8 +4,8 @@ S3Net has what stage 3 finds hard: repeated blocks (>= 3 partitioned groups with
 persistence threshold), the embedding tied to the head (root group), a weight tied between two
 blocks (two groups -> root group), a block called twice in one forward, a data-dependent branch
 that swaps two blocks between steps (same on every rank within a step), activation
-checkpointing (non-reentrant) around one block, a frozen layer, a never-used layer, and sizes
-not divisible by 4.
+checkpointing around one block (non-reentrant, or reentrant when asked) and inside another, a
+frozen layer, a never-used layer, and sizes not divisible by 4.
 """
 
 from __future__ import annotations
@@ -29,8 +29,15 @@ class Block(nn.Module):
         self.fc1 = nn.Linear(DIM, HID)
         self.fc2 = nn.Linear(HID, DIM)
 
+        self.inner_checkpoint = False  # activation checkpointing *inside* the group's forward
+
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(self.ln(x))))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc2(F.gelu(self.fc1(self.ln(x))))
+        if self.inner_checkpoint:
+            return x + checkpoint(self._mlp, x, use_reentrant=False)
+        return x + self._mlp(x)
 
 
 class S3Net(nn.Module):
@@ -38,6 +45,7 @@ class S3Net(nn.Module):
         super().__init__()
         self.emb = nn.Embedding(VOCAB, DIM)
         self.blocks = nn.ModuleList([Block() for _ in range(4)])
+        self.blocks[2].inner_checkpoint = True
         self.blocks[3].fc1.weight = self.blocks[0].fc1.weight  # tied across two groups
         self.frozen = nn.Linear(DIM, DIM)
         self.frozen.requires_grad_(False)
