@@ -119,7 +119,7 @@ def test_one_node_runs_never_import_paramiko() -> None:
     import sys
 
     code = (
-        "import sys; import zerorun.launch.ssh, zerorun.launch.agent, zerorun.launch.hosts, "
+        "import sys; import zerorun.launch.ssh, zerorun.launch.remote, zerorun.launch.agent, zerorun.launch.hosts, "
         "zerorun.launch.environment, zerorun.cli; assert 'paramiko' not in sys.modules; "
         "assert 'torch' not in sys.modules"
     )
@@ -131,7 +131,7 @@ def test_preflight_answers_are_checked() -> None:
     import queue
     from types import SimpleNamespace
 
-    from zerorun.launch.ssh import _collect_hellos
+    from zerorun.launch.remote import _collect_hellos
 
     def channel(*messages: object, stderr: tuple[str, ...] = (), code: int | None = 1) -> object:
         q: queue.Queue[object] = queue.Queue()
@@ -161,7 +161,7 @@ def test_preflight_answers_are_checked() -> None:
 
 
 def test_device_check_against_the_nodes_gpus() -> None:
-    from zerorun.launch.ssh import check_devices
+    from zerorun.launch.remote import check_devices
 
     hosts = parse_hostfile_text("n1 slots=2\nn2 slots=4\n")
     no_local_gpu = DeviceInfo(gpus=(), cores=2)

@@ -1,11 +1,12 @@
-"""SSH to the nodes of a job: connections, host-key checks, ~/.ssh/config, the preflight.
+"""SSH to the nodes of a job: connections, host-key checks, ~/.ssh/config, the agent channel.
 
 paramiko is imported lazily, inside the functions that connect: one-node runs and machines
 without paramiko never load it.
 
 One connection per node, opened in parallel. On each, one exec channel runs the node agent
 (`python -m zerorun.launch.agent`, see `launch/agent.py`, protocol in `launch/wire.py`); the
-same channel carries the preflight, the plan, the ranks' output and events, and heartbeats.
+same channel carries the preflight, the plan, the ranks' output and events, and heartbeats
+(`launch/remote.py` drives it: preflight and the remote node runner).
 The remote command is built from `shlex.quote`d pieces only (remote cwd, interpreter path):
 a hostile host name or argument never reaches a shell unquoted, and everything else travels
 as JSON on stdin.
@@ -21,7 +22,6 @@ from __future__ import annotations
 import os
 import queue
 import shlex
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -40,15 +40,13 @@ __all__ = [
     "SshOptions",
     "SshTarget",
     "NodeChannel",
-    "Preflight",
     "resolve_target",
     "connect_nodes",
-    "preflight",
+    "close_client",
+    "join_errors",
     "agent_command",
-    "SshRunner",
     "prepare",
     "runners_for",
-    "ssh_options_from",
 ]
 
 DEFAULT_CONNECT_TIMEOUT_S = 10.0
@@ -329,11 +327,12 @@ def connect_nodes(
     if errors:
         for _, client in results.values():
             close_client(client)
-        raise LaunchError(_many("SSH", errors) + " Nothing was started.")
+        raise LaunchError(join_errors("SSH", errors) + " Nothing was started.")
     return results
 
 
-def _many(what: str, errors: dict[str, str]) -> str:
+def join_errors(what: str, errors: dict[str, str]) -> str:
+    """One message for failures on several nodes (the single one as it is)."""
     if len(errors) == 1:
         return next(iter(errors.values()))
     return f"{what} failed on {len(errors)} nodes:\n" + "\n".join(f"  - {e}" for e in errors.values())
@@ -444,345 +443,14 @@ class NodeChannel:
         close_client(self.client)
 
 
-@dataclass
-class Preflight:
-    """What the preflight learned: the channels (agents waiting for their plan) and the
-    master address/port the ranks will use."""
-
-    channels: dict[str, NodeChannel]
-    hellos: dict[str, dict[str, Any]]
-    master_addr: str
-    master_port: int
-    python: str
-    cwd: str
-
-    def close(self) -> None:
-        for ch in self.channels.values():
-            ch.close()
-
-
-def preflight(
-    aliases: Sequence[str],
-    options: SshOptions,
-    *,
-    master: str | None,
-    master_port: int | None,
-    master_addr: str | None = None,
-    local_port_check: Callable[[int], str | None] | None = None,
-    script: str | None = None,
-) -> Preflight:
-    """Before any rank starts anywhere: every node reachable and authenticated, the remote
-    interpreter runs and imports the same zerorun, the remote cwd exists, the master port is
-    free on the master (or picked there when not given). Any failure closes everything and
-    raises one LaunchError naming the hosts.
-
-    `master` is the alias of the master node when it is remote (None: the launcher's machine
-    is the master, and `local_port_check` checks the port here). `master_addr` overrides the
-    address the ranks use to reach it. `script` (the job's script, if any) must exist on
-    every node, relative to the remote cwd.
-    """
-    import zerorun
-
-    python = options.remote_python or sys.executable
-    cwd = options.remote_cwd or os.getcwd()
-    connections = connect_nodes(aliases, options)
-    command = agent_command(python, cwd)
-    channels: dict[str, NodeChannel] = {}
-    try:
-        for alias, (target, client) in connections.items():
-            channels[alias] = NodeChannel(alias, target, client, command)
-        for alias, ch in channels.items():
-            is_master = alias == master
-            ch.send(
-                "preflight",
-                version=zerorun.__version__,
-                protocol=wire.PROTOCOL_VERSION,
-                check_port=master_port if is_master else None,
-                pick_port=is_master and master_port is None,
-                script=script,
-            )
-        hellos, errors = _collect_hellos(channels, python, cwd, zerorun.__version__, options.preflight_timeout_s)
-        if errors:
-            raise LaunchError(_many("The preflight", errors) + " Nothing was started.")
-        if master is not None:
-            hello = hellos[master]
-            port = int(hello["port"])
-            addr = master_addr or hello.get("server_addr") or channels[master].target.hostname
-        else:
-            if master_port is None:
-                raise LaunchError("internal: a local master needs its port chosen before the preflight")
-            problem = local_port_check(master_port) if local_port_check else None
-            if problem:
-                raise LaunchError(problem)
-            port = master_port
-            # The launcher's address as the remote nodes see it (they all reached us on it).
-            seen = {h.get("client_addr") for h in hellos.values() if h.get("client_addr")}
-            addr = master_addr or (seen.pop() if len(seen) == 1 else "")
-            if not addr:
-                raise LaunchError(
-                    "this machine is the master, but the nodes reach it at different addresses "
-                    f"({', '.join(sorted(str(s) for s in seen))}); pass --master_addr with the one every node can reach."
-                )
-        return Preflight(channels, hellos, addr, port, python, cwd)
-    except BaseException:
-        for ch in channels.values():
-            ch.close()
-        for _, client in connections.values():
-            close_client(client)
-        raise
-
-
-def _collect_hellos(
-    channels: dict[str, NodeChannel], python: str, cwd: str, version: str, timeout: float
-) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
-    hellos: dict[str, dict[str, Any]] = {}
-    errors: dict[str, str] = {}
-    deadline = time.monotonic() + timeout
-    for alias, ch in channels.items():
-        where = ch.target.display
-        msg: dict[str, Any] | None = None
-        while True:
-            try:
-                msg = ch.messages.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                errors[alias] = f"{where}: the node agent did not answer within {timeout:g} s."
-                break
-            if msg is None or msg.get("t") == "hello":
-                break
-        if alias in errors:
-            continue
-        if msg is None:
-            errors[alias] = _explain_early_exit(ch, python, cwd)
-            continue
-        if msg.get("version") != version or msg.get("protocol") != wire.PROTOCOL_VERSION:
-            errors[alias] = (
-                f"{where}: {python} there imports zerorun {msg.get('version')}, this launcher is "
-                f"zerorun {version}. Install the same version on every node (or point "
-                "--remote_python at an environment that has it)."
-            )
-        elif msg.get("error"):
-            errors[alias] = f"{where}: {msg['error']}"
-        else:
-            hellos[alias] = msg
-    return hellos, errors
-
-
-def _explain_early_exit(ch: NodeChannel, python: str, cwd: str) -> str:
-    code = ch.exit_status()
-    tail = "\n".join(ch.stderr_tail[-8:])
-    where = ch.target.display
-    if "No module named" in tail and "zerorun" in tail:
-        return (
-            f"{where}: {python} there cannot import zerorun. Install zerorun on every node "
-            "(or point --remote_python at an environment that has it)."
-        )
-    if code == 127 or "No such file or directory" in tail and python in tail:
-        return (
-            f"{where}: the remote interpreter {python} does not exist there. Pass "
-            "--remote_python with the python that has zerorun installed on the nodes."
-        )
-    if "cd:" in tail or cwd in tail:
-        return (
-            f"{where}: cannot enter the working directory {cwd} there. Pass --remote_cwd with a "
-            "directory that exists on every node (the script's path is resolved from it)."
-        )
-    detail = f": {tail}" if tail else ""
-    return f"{where}: the node agent exited with status {code} before answering{detail}"
-
-
-# --- the remote node runner (Contract 5) ------------------------------------------------------
-
-
-class SshRunner:
-    """A `NodeRunner` for one remote node: drives that node's agent over its channel."""
-
-    def __init__(self, plan: Any, node: Any, channel: NodeChannel, options: SshOptions) -> None:
-        self.plan = plan
-        self.node = node
-        self.channel = channel
-        self.options = options
-        self._exited: set[int] = set()
-        self._lost = False
-        self._done = threading.Event()
-        self._sink: Callable[[Any], None] | None = None
-
-    def start(self, sink: Callable[[Any], None]) -> None:
-        self._sink = sink
-        sent = self.channel.send(
-            "plan",
-            plan=wire.plan_to_dict(self.plan),
-            node_rank=self.node.node_rank,
-            heartbeat_s=self.options.heartbeat_s,
-            heartbeat_timeout_s=self.options.heartbeat_timeout_s,
-        )
-        if not sent:
-            raise LaunchError(f"the SSH connection to {self.channel.target.display} closed before the job started")
-        self.channel.last_heard = time.monotonic()
-        threading.Thread(target=self._pump, name=f"ssh-pump-{self.channel.alias}", daemon=True).start()
-        threading.Thread(target=self._heartbeat, name=f"ssh-hb-{self.channel.alias}", daemon=True).start()
-
-    def _pump(self) -> None:
-        from zerorun.launch.supervisor import RankEvent, RankExit, RankOutput, RankStarted
-
-        assert self._sink is not None
-        while True:
-            msg = self.channel.messages.get()
-            if msg is None:
-                break
-            kind = msg.get("t")
-            if kind == "out":
-                self._sink(RankOutput(int(msg["rank"]), msg["stream"], str(msg["line"])))
-            elif kind == "event" and isinstance(msg.get("event"), dict):
-                self._sink(RankEvent(int(msg["rank"]), msg["event"]))
-            elif kind == "started":
-                self._sink(RankStarted(int(msg["rank"]), int(msg["pid"])))
-            elif kind == "exit":
-                self._exited.add(int(msg["rank"]))
-                self._sink(RankExit(int(msg["rank"]), int(msg["code"])))
-            elif kind == "error":
-                self.channel._keep_stderr(str(msg.get("message")))  # noqa: SLF001
-        if len(self._exited) < len(self.node.ranks):
-            tail = "; ".join(self.channel.stderr_tail[-3:])
-            self._lose(f"the SSH connection to {self.channel.target.display} closed" + (f" ({tail})" if tail else ""))
-        self._done.set()
-
-    def _heartbeat(self) -> None:
-        while not self._done.wait(self.options.heartbeat_s):
-            silent = time.monotonic() - self.channel.last_heard
-            if silent > self.options.heartbeat_timeout_s:
-                self._lose(
-                    f"{self.channel.target.display} is unreachable: no heartbeat from its agent for "
-                    f"{silent:.0f} s (network down or node frozen)"
-                )
-                self.channel.close()
-                return
-            if not self.channel.send("hb") and not self._done.is_set():
-                self._lose(f"the SSH connection to {self.channel.target.display} broke")
-                return
-
-    def _lose(self, reason: str) -> None:
-        from zerorun.launch.supervisor import NodeLost
-
-        if self._lost or self._sink is None or len(self._exited) == len(self.node.ranks):
-            return
-        self._lost = True
-        self._sink(NodeLost(self.node.node_rank, reason))
-
-    def signal(self, sig: int, *, tree: bool = True) -> None:
-        self.channel.send("signal", sig=int(sig), tree=tree)
-
-    def kill(self) -> None:
-        self.channel.send("kill")
-
-    def close(self) -> None:
-        # Give the agent a moment to report the exits of a kill() just sent.
-        if len(self._exited) < len(self.node.ranks) and not self._lost:
-            self._done.wait(2.0)
-        self._done.set()
-        self.channel.close()  # EOF on the agent's stdin: it kills whatever is left and exits
-
-
-def ssh_options_from(options: Any) -> SshOptions:
-    """The SSH part of `launch.plan.LaunchOptions` (+ ZERORUN_SSH_HEARTBEAT_TIMEOUT)."""
-    timeout = float(os.environ.get("ZERORUN_SSH_HEARTBEAT_TIMEOUT", SshOptions.heartbeat_timeout_s))
-    return SshOptions(
-        remote_python=options.remote_python,
-        remote_cwd=options.remote_cwd,
-        accept_new_hosts=bool(options.ssh_accept_new_hosts),
-        heartbeat_timeout_s=timeout,
-    )
+# --- Contract 5 entry points (the preflight and the runners live in launch/remote.py) ---------
 
 
 def prepare(plan: Any, options: Any, *, ssh: SshOptions | None = None) -> tuple[Any, list[Any]]:
-    """Preflight every remote node of `plan`, then return the plan with the master address and
-    port the ranks must use, and one runner per node (LocalRunner for this machine's node).
+    """See `zerorun.launch.remote.prepare`."""
+    from zerorun.launch import remote
 
-    Nothing starts before every node passed; a failure raises LaunchError naming the hosts.
-    """
-    from zerorun.launch.local import LocalRunner
-
-    ssh = ssh or ssh_options_from(options)
-    remote = [n for n in plan.nodes if not n.is_local]
-    if not remote:
-        return plan, [LocalRunner(plan, node) for node in plan.nodes]
-    try:
-        import paramiko  # noqa: F401 - only checking it is there
-    except ImportError:
-        raise LaunchError(
-            "jobs on remote nodes need paramiko, which is not installed in this environment: "
-            f"`{os.path.basename(sys.executable)} -m pip install paramiko` (zerorun's own dependency)."
-        ) from None
-    master_node = plan.nodes[0]
-    master = None if master_node.is_local else master_node.host.name
-    pf = preflight(
-        [n.host.name for n in remote],
-        ssh,
-        master=master,
-        master_port=options.master_port if master is not None else plan.master_port,
-        master_addr=options.master_addr,
-        script=plan.target.script,
-        local_port_check=_local_port_problem,
-    )
-    try:
-        check_devices(plan, pf.hellos, auto=getattr(options, "device", None) in (None, "auto"))
-        plan = plan.with_master(pf.master_addr, pf.master_port)
-        plan = _with_cwd(plan, pf.cwd)
-        runners: list[Any] = []
-        for node in plan.nodes:
-            if node.is_local:
-                runners.append(LocalRunner(plan, node))
-            else:
-                runners.append(SshRunner(plan, node, pf.channels[node.host.name], ssh))
-        return plan, runners
-    except BaseException:
-        pf.close()
-        raise
-
-
-def _local_port_problem(port: int) -> str | None:
-    from zerorun.launch.agent import port_in_use
-
-    if port_in_use(port):
-        return (
-            f"master port {port} is already in use on this machine, where rank 0 runs (another "
-            "job?). Pick another with --master_port, or leave it out to have a free one chosen."
-        )
-    return None
-
-
-def check_devices(plan: Any, hellos: dict[str, dict[str, Any]], *, auto: bool) -> None:
-    """The plan's device against the GPUs each node reported: a slot beyond a node's GPUs is
-    an error, and so is a CPU job on GPU nodes that only happened because the launcher's own
-    machine has no GPU (`--device auto` on a login node)."""
-    problems: list[str] = []
-    gpu_nodes: list[str] = []
-    for node in plan.nodes:
-        hello = hellos.get(node.host.name)
-        if hello is None:
-            continue
-        gpus = int(hello.get("gpus") or 0)
-        if gpus:
-            gpu_nodes.append(node.host.name)
-        if plan.device == "cuda" and node.host.slots and max(node.host.slots) >= gpus:
-            problems.append(
-                f"{node.host.name} has {gpus} GPU(s), but the job uses its slot(s) "
-                f"{', '.join(map(str, node.host.slots))}; lower slots= in the hostfile or select "
-                "fewer with --include/--num_gpus."
-            )
-    if plan.device == "cpu" and auto and gpu_nodes:
-        problems.append(
-            f"the nodes have GPUs ({', '.join(gpu_nodes)}) but this machine has none, so the job "
-            "would run on CPU. Pass --device cuda to use the nodes' GPUs (or --device cpu to run "
-            "on CPU anyway)."
-        )
-    if problems:
-        raise LaunchError(_many("The device check", {str(i): p for i, p in enumerate(problems)}) + " Nothing was started.")
-
-
-def _with_cwd(plan: Any, cwd: str) -> Any:
-    from dataclasses import replace
-
-    return replace(plan, cwd=cwd)
+    return remote.prepare(plan, options, ssh=ssh)
 
 
 def runners_for(plan: Any, options: Any) -> list[Any]:
