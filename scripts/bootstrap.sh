@@ -21,16 +21,18 @@ if [[ "${1:-}" == "--system" ]]; then
 fi
 
 PY=${PYTHON:-python3}
-if [[ ! -x .venv/bin/python ]]; then
+# A venv without pip is one whose creation was interrupted: make it again.
+if [[ ! -x .venv/bin/python ]] || ! .venv/bin/python -m pip --version >/dev/null 2>&1; then
+  rm -rf .venv
   "$PY" -m venv .venv
 fi
 # torch first, pinned: a bare `torch` requirement would pull a multi-GB CUDA build where a
 # CPU wheel is what this machine has.
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
-  .venv/bin/pip install -q --disable-pip-version-check "torch==2.13.0" numpy
+  .venv/bin/python -m pip install -q --disable-pip-version-check "torch==2.13.0" numpy
 fi
 stamp=.venv/.zerorun-installed
 if [[ ! -f $stamp ]] || [[ pyproject.toml -nt $stamp ]]; then
-  .venv/bin/pip install -q --disable-pip-version-check -e '.[test]'
+  .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test]'
   touch "$stamp"
 fi
