@@ -65,6 +65,14 @@ def test_matches_reference(results, world: int, case: Case) -> None:  # noqa: AN
     assert all(x["n_buckets"] >= 3 for x in ranks), ranks[0]["n_buckets"]
     if world > 1:
         assert all(x["launched_during_backward"] >= case.steps for x in ranks)
+        if case.stage == 2 and case.accum == 4:
+            # After the first backward the launch order is the one buffers really complete in,
+            # so TinyNet's never-used layer no longer holds back the buckets after it: well over
+            # one bucket per backward pass goes out while the backward still runs.
+            backwards = case.steps * case.accum
+            assert all(x["launched_during_backward"] >= 2 * backwards for x in ranks), [
+                x["launched_during_backward"] for x in ranks
+            ]
     assert all(x["tied_kept"] for x in ranks), "tied weights were untied"
     assert r["frozen_unchanged"], "the frozen layer changed"
 

@@ -126,6 +126,18 @@ class Communicator:
         else:
             dist.all_reduce(tensor, op=op, group=self.group)
 
+    def broadcast_ints(self, values: list[int], src: int = 0) -> list[int]:
+        """Rank ``src``'s list of ints on every rank (same length everywhere); blocking, for
+        rare control decisions."""
+        if self.trivial:
+            return list(values)
+        device = self.device if self.backend == "nccl" else torch.device("cpu")
+        t = torch.tensor(values, dtype=torch.int64, device=device)
+        dist.broadcast(
+            t, src=dist.get_global_rank(self.group, src) if self.group is not None else src, group=self.group
+        )
+        return [int(v) for v in t.tolist()]
+
     # -- internals ---------------------------------------------------------------------------
     def _local(self, output: torch.Tensor, input: torch.Tensor, then: Callable[[], None] | None) -> Pending:
         # One rank: every collective is the identity; only the copy (if not in place) remains.

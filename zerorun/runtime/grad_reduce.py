@@ -3,8 +3,9 @@
 A post-accumulate-grad hook on every trainable parameter moves its fresh gradient (compute
 dtype) into reduce-dtype memory of its flat buffer and frees ``p.grad`` at once. When every
 parameter of a flat buffer has reported, that buffer's collective is issued -- strictly in
-buffer order, so all ranks issue the same collectives in the same order even when a parameter
-is unused on some rank (its slot is zero-filled when the backward ends). At most
+launch order, the same on every rank (index order in the first backward, then the order in
+which rank 0 saw buffers complete), so all ranks issue the same collectives in the same order
+even when a parameter is unused on some rank (its slot is zero-filled when the backward ends). At most
 ``max_inflight`` collectives are outstanding; older ones are retired first, which bounds the
 memory of stage 2's staging buffers.
 
@@ -48,7 +49,15 @@ class GradReducer:
         n = len(flat.layouts)
         self._reported = [0] * n
         self._written: list[list[bool]] = [[False] * len(layout.slots) for layout in flat.layouts]
-        self._next = 0
+        self._next = 0  # position in self._order of the next buffer to issue
+        # Launch order, identical on every rank. The first backward uses index order and records
+        # the order in which buffers actually completed; rank 0's record is then adopted by all
+        # (one small broadcast, once). So a parameter that is never used (an unused head or
+        # pooler) no longer holds back every bucket after it, only its own -- as DDP rebuilds
+        # its buckets after the first iteration. An order that later changes stays correct.
+        self._order: list[int] = list(range(n))
+        self._learn_order = n > 1 and not comm.trivial
+        self._ready_seq: list[int] = []
         self._pending: deque[tuple[int, Pending]] = deque()  # (flat buffer index, its collective)
         self._launching = 0
         self._tracked = False
@@ -84,13 +93,22 @@ class GradReducer:
         if not self._open:
             return
         self._in_backward = False
-        for i in range(self._next, len(self.flat.layouts)):
+        for pos in range(self._next, len(self._order)):
+            i = self._order[pos]
             self._fill_unwritten(i)
             self._issue(i)
-        self._next = len(self.flat.layouts)
+        self._next = len(self._order)
         while self._pending:
             self._retire()
         self._open = False
+        if self._learn_order:
+            self._adopt_order()
+
+    def _adopt_order(self) -> None:
+        seen = set(self._ready_seq)
+        record = self._ready_seq + [i for i in range(len(self._order)) if i not in seen]
+        self._order = self.comm.broadcast_ints(record)
+        self._learn_order = False
 
     def grad_shards(self) -> list[torch.Tensor]:
         raise NotImplementedError
@@ -121,14 +139,18 @@ class GradReducer:
             self._written[i][k] = True
             self._reported[i] += 1
             if self._reported[i] == len(self.flat.layouts[i].slots):
+                if self._learn_order:
+                    self._ready_seq.append(i)
                 self._launch_ready()
 
         return hook
 
     def _launch_ready(self) -> None:
-        layouts = self.flat.layouts
-        while self._next < len(layouts) and self._reported[self._next] == len(layouts[self._next].slots):
-            self._issue(self._next)
+        layouts, order = self.flat.layouts, self._order
+        while self._next < len(order) and self._reported[order[self._next]] == len(
+            layouts[order[self._next]].slots
+        ):
+            self._issue(order[self._next])
             self._next += 1
 
     def _issue(self, i: int) -> None:
