@@ -1,9 +1,9 @@
 """``offload_optimizer: {device: cpu}``: fp32 masters and optimizer states in host memory.
 
 The pipeline (gradient copies, tiled CPU step, parameter copies, delayed update) is
-``pipeline.HostPlacement``; this class only says the storage is ordinary host memory. Masters
-are not pinned: nothing copies them to or from the GPU (the gradients arrive in a pinned buffer
-and the parameters leave from a pinned staging buffer in the parameter dtype).
+``pipeline.HostPlacement``; this class says the storage is ordinary host memory. The masters are
+page-locked with ``pin_memory`` because the updated parameters are copied up straight from them
+(fp32) and cast on the GPU: no host staging buffer, no CPU conversion pass.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from zerorun.runtime.offload.host import host_empty
 from zerorun.runtime.offload.pipeline import HostPlacement, StepJob, TileView
 
 __all__ = ["CpuPlacement"]
@@ -19,9 +20,10 @@ __all__ = ["CpuPlacement"]
 
 class CpuPlacement(HostPlacement):
     name = "cpu"
+    stage_on_host = False  # parameters go up from the (pinned) masters, cast on the GPU
 
     def _new_master(self, index: int, numel: int, fp32_init: Callable[[], torch.Tensor]) -> torch.Tensor:
-        master = torch.empty(numel, dtype=torch.float32)
+        master = host_empty(numel, torch.float32, pin=self.pin)
         with torch.no_grad():
             master.copy_(fp32_init())
         return master

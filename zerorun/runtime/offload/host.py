@@ -85,7 +85,15 @@ class Copier:
             if after is not None:
                 stream.wait_event(after)
             with torch.no_grad():
-                dst.copy_(src, non_blocking=True)
+                if dst.dtype != src.dtype and dst.device.type == "cuda":
+                    # Host -> device with a cast: move the bytes as they are, cast on the GPU (the
+                    # CPU is the bottleneck of offload; PCIe has room). The temporary lives on
+                    # this stream only.
+                    tmp = torch.empty(src.shape, dtype=src.dtype, device=dst.device)
+                    tmp.copy_(src, non_blocking=True)
+                    dst.copy_(tmp)
+                else:
+                    dst.copy_(src, non_blocking=True)
             done = torch.cuda.Event()
             done.record(stream)
         return done
