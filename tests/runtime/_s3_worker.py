@@ -72,6 +72,7 @@ def train(engine, model, *, seed: int, rank: int, steps: int, accum: int) -> dic
             loss = engine(ids.to(engine.device), tgt.to(engine.device))
             losses.append(loss.item())
             engine.backward(loss)
+            grads_after_backward = sum(d.get("grads", 0) for d in engine.memory_summary().values())
             engine.step()
         norms.append(engine.get_global_grad_norm())
         # eval-mode forward between training steps (generation-loop style)
@@ -82,7 +83,7 @@ def train(engine, model, *, seed: int, rank: int, steps: int, accum: int) -> dic
         engine.train()
         if hasattr(stage, "gathered_bytes"):
             assert stage.gathered_bytes() == 0, "groups left gathered after an eval forward"
-    return {"losses": losses, "evals": evals, "norms": norms}
+    return {"losses": losses, "evals": evals, "norms": norms, "grads_after_backward": grads_after_backward}
 
 
 def structure(engine) -> dict:

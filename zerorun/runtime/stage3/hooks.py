@@ -248,10 +248,11 @@ class Stage3Hooks:
         self.calls[g.index].reduced = True
         issued = g.reduce_grads()
         if not issued:  # one rank: the gradient shards are written already
-            for layout, shard in zip(g.layouts, g.grad_shards, strict=True):
-                self._final(layout.index, shard)
+            for li, layout in enumerate(g.layouts):
+                self._final(layout.index, g.grad_shard(li))
             return
-        for layout, shard, p in zip(g.layouts, g.grad_shards, issued, strict=True):
+        for li, (layout, p) in enumerate(zip(g.layouts, issued, strict=True)):
+            shard = g.grad_shard(li)
             self.launches += 1
             if self.backward_open:
                 self.launched_during_backward += 1

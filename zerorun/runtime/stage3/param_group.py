@@ -18,7 +18,10 @@ Tensors of a group (words of partition.py: flat buffer, shard):
   shape ``[0]`` (DeepSpeed's convention), so code touching a released parameter gets a shape
   error instead of reading freed memory; ``p.ds_shape`` / ``p.ds_numel`` keep the real shape.
 * **gradient shard** -- this rank's reduced gradients, reduce dtype, accumulated across
-  micro-steps. A group's full gradients exist only between its backward and its reduce-scatter.
+  micro-steps. Allocated by the step's first reduction and dropped by ``zero_grad`` after the
+  optimizer step (``set_to_none``), so no gradient memory exists during the forward, where
+  activations peak. A group's full gradients exist only between its backward and its
+  reduce-scatter.
 
 Two kinds of groups never gather or release (``resident``): the persistent group (small
 parameters, replicated) and, with one rank and shards on the device, every group (the shard is
@@ -82,7 +85,6 @@ class ParamGroup:
         self.state = RELEASED
         self.holds = 0  # GatheredParameters contexts holding the group gathered
         self.stage: Any = None  # the Stage3 owning the group (model_io reaches the masters through it)
-        self.grad_fresh = True  # next reduction writes the gradient shard instead of adding
         self._pending: list[Pending] = []
         self._fetched: list[torch.Tensor] = []
         self._placeholder = torch.empty(0, dtype=param_dtype, device=device)
@@ -111,9 +113,7 @@ class ParamGroup:
                 p.ds_numel = slot.numel  # type: ignore[attr-defined]
                 p._zerorun_group = self  # type: ignore[attr-defined]
             self._pads.append(torch.zeros(layout.padded_numel - layout.numel, device=device, dtype=param_dtype))
-        self.grad_shards = [
-            torch.zeros(layout.shard_numel, dtype=reduce_dtype, device=device) for layout in self.layouts
-        ]
+        self.grad_shards: list[torch.Tensor | None] = [None] * len(self.layouts)
         if self.resident:
             if self.world > 1:
                 for p in [self.comm.all_gather(f, r) for f, r in zip(self.full, self.at_rest, strict=True)]:
@@ -188,8 +188,12 @@ class ParamGroup:
         kernel each), free them, and reduce-scatter into the gradient shard (averaged)."""
         out: list[Pending] = []
         k = 0
-        fresh, self.grad_fresh = self.grad_fresh, False
-        for layout, shard, pad in zip(self.layouts, self.grad_shards, self._pads, strict=True):
+        for li, (layout, pad) in enumerate(zip(self.layouts, self._pads, strict=True)):
+            shard = self.grad_shards[li]
+            fresh = shard is None  # first reduction since zero_grad: write instead of add
+            if shard is None:
+                shard = torch.empty(layout.shard_numel, dtype=self.reduce_dtype, device=self.device)
+                self.grad_shards[li] = shard
             parts = []
             for slot in layout.slots:
                 p = self._flat_params[k]
@@ -223,10 +227,16 @@ class ParamGroup:
         esize = torch.empty((), dtype=self.reduce_dtype).element_size()
         return 0 if self.trivial else max(layout.padded_numel for layout in self.layouts) * esize
 
+    def grad_shard(self, li: int) -> torch.Tensor:
+        """The reduced gradient shard (zeros if nothing was reduced since zero_grad)."""
+        shard = self.grad_shards[li]
+        if shard is None:
+            shard = torch.zeros(self.layouts[li].shard_numel, dtype=self.reduce_dtype, device=self.device)
+            self.grad_shards[li] = shard
+        return shard
+
     def zero_grad(self) -> None:
-        for s in self.grad_shards:
-            s.zero_()
-        self.grad_fresh = True
+        self.grad_shards = [None] * len(self.layouts)
 
     # -- after the optimizer step ---------------------------------------------------------------
     def refresh_replicas(self) -> list[Pending]:

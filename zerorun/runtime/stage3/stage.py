@@ -56,8 +56,8 @@ class Stage3:
 
     # -- backward -------------------------------------------------------------------------------
     def begin_backward(self, *, boundary: bool, first_micro: bool) -> None:
-        # Accumulation needs no flag here: a gradient shard is overwritten by the first reduction
-        # after zero_grad() and added to afterwards (ParamGroup.grad_fresh). The boundary tells
+        # Accumulation needs no flag here: a gradient shard is created by the first reduction
+        # after zero_grad() and added to afterwards (ParamGroup.reduce_grads). The boundary tells
         # the hooks when a reduced shard is final (grad_ready for an offload placement).
         self.hooks.boundary = boundary
 
@@ -68,7 +68,7 @@ class Stage3:
 
     def grad_shards(self) -> list[torch.Tensor]:
         self.hooks.wait_reductions()
-        return [g.grad_shards[li] for g, li in self._owner]
+        return [g.grad_shard(li) for g, li in self._owner]
 
     # -- step -----------------------------------------------------------------------------------
     def release_all(self) -> None:
@@ -108,7 +108,7 @@ class Stage3:
                     params.append(t)
         return {
             "params": params,
-            "grads": [s for g in self.groups for s in g.grad_shards],
+            "grads": [s for g in self.groups for s in g.grad_shards if s is not None],
             "master": list(self.state.masters),
             "optimizer_states": self.state.optimizer_state_tensors(),
         }
