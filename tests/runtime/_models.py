@@ -91,7 +91,10 @@ def reference_train(
     compute = copy.deepcopy(master).to(dtype) if dtype != torch.float32 else master
     m_params = [p for p in master.parameters() if p.requires_grad]
     c_params = [p for p in compute.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(m_params, lr=lr, weight_decay=weight_decay)
+    # The runtime's kernel (runtime/optimizer.py: fused AdamW on CUDA, torch's default on CPU):
+    # fused and foreach AdamW differ in the last fp32 bit, which can flip a 16-bit weight.
+    fused = {"fused": True} if torch.device(device).type == "cuda" else {}
+    opt = torch.optim.AdamW(m_params, lr=lr, weight_decay=weight_decay, **fused)
     out = RefResult()
     for step in range(steps):
         scale = scales[step] if scales else 1.0

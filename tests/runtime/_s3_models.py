@@ -109,14 +109,20 @@ def reference(
     clip: float,
     lr: float,
     weight_decay: float,
+    device: torch.device | str = "cpu",
 ) -> Ref:
     """Plain PyTorch on the global batch, with the runtime's mixed-precision recipe (16-bit
-    compute copy, fp32 masters, fp32 accumulation of each micro-batch's 16-bit gradients)."""
-    master = model
+    compute copy, fp32 masters, fp32 accumulation of each micro-batch's 16-bit gradients). Runs
+    on the ranks' device (the same matmul kernels: CPU and CUDA bf16 results differ by more
+    than the tolerances); results come back on the CPU."""
+    master = model.to(device)
     compute = copy.deepcopy(master).to(dtype) if dtype != torch.float32 else master
     m_params = [p for p in master.parameters() if p.requires_grad]
     c_params = [p for p in compute.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(m_params, lr=lr, weight_decay=weight_decay)
+    # The runtime's kernel (runtime/optimizer.py: fused AdamW on CUDA, torch's default on CPU):
+    # fused and foreach AdamW differ in the last fp32 bit, which can flip a 16-bit weight.
+    fused = {"fused": True} if torch.device(device).type == "cuda" else {}
+    opt = torch.optim.AdamW(m_params, lr=lr, weight_decay=weight_decay, **fused)
     out = Ref()
     for step in range(steps):
         compute.flip = flip_for(step)
@@ -126,7 +132,7 @@ def reference(
             acc = [torch.zeros_like(p, dtype=torch.float32) for p in m_params]
             for micro in range(accum):
                 ids, tgt = batch(seed, step, micro, rank, micro_batch)
-                loss = compute(ids, tgt)
+                loss = compute(ids.to(device), tgt.to(device))
                 step_losses[micro][rank] = float(loss)
                 (loss / accum).backward()
                 for a, p in zip(acc, c_params, strict=True):
@@ -149,8 +155,8 @@ def reference(
                     c.copy_(m)
         with torch.no_grad():
             ids, tgt = batch(seed, step, 99, 0, micro_batch)
-            out.eval_losses.append(float(compute(ids, tgt)))
-    out.master = {n: p.detach().clone() for n, p in master.named_parameters()}
-    out.compute = {n: p.detach().clone() for n, p in compute.named_parameters()}
+            out.eval_losses.append(float(compute(ids.to(device), tgt.to(device))))
+    out.master = {n: p.detach().cpu().clone() for n, p in master.named_parameters()}
+    out.compute = {n: p.detach().cpu().clone() for n, p in compute.named_parameters()}
     assert all(math.isfinite(n) for n in out.norms)
     return out

@@ -180,6 +180,7 @@ def run_equivalence(
         clip=clip,
         lr=LR,
         weight_decay=WD,
+        device=engine.device,
     )
     out = {"ranks": gathered, "ref_losses": ref.losses, "ref_evals": ref.eval_losses, "ref_norms": ref.norms}
     out.update(compare(ref, masters, compute))
@@ -343,6 +344,7 @@ def run_safetensors(rank: int, world: int, tmp: str) -> dict:
         clip=0.0,
         lr=LR,
         weight_decay=WD,
+        device=engine.device,
     )
     err = max(float((masters[n] - ref.master[n]).abs().max()) for n in masters)
     return {

@@ -32,15 +32,25 @@ HERE = Path(__file__).resolve().parent
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict]:
     cache: dict[int, dict] = {}
 
+    failed: dict[int, str] = {}
+
     def get(world: int) -> dict:
+        if world in failed:  # one failed launch fails its tests at once, not one relaunch each
+            raise AssertionError(
+                f"the world {world} launch failed (the first test using it shows why): {failed[world]}"
+            )
         if world not in cache:
             out = tmp_path_factory.mktemp(f"eq{world}") / "results.json"
-            spawn_ranks(
-                HERE / "_worker.py",
-                world,
-                [str(out)],
-                deadline_s=float(os.environ.get("ZR_TEST_DEADLINE", 240)),
-            )
+            try:
+                spawn_ranks(
+                    HERE / "_worker.py",
+                    world,
+                    [str(out)],
+                    deadline_s=float(os.environ.get("ZR_TEST_DEADLINE", 240)),
+                )
+            except AssertionError as e:
+                failed[world] = str(e).splitlines()[0]
+                raise
             cache[world] = json.loads(out.read_text())
         return cache[world]
 

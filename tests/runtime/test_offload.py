@@ -33,17 +33,27 @@ HERE = Path(__file__).resolve().parent
 def results(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
     cache: dict[int, dict] = {}
 
+    failed: dict[int, str] = {}
+
     def get(world: int) -> dict:
+        if world in failed:  # one failed launch fails its tests at once, not one relaunch each
+            raise AssertionError(
+                f"the world {world} launch failed (the first test using it shows why): {failed[world]}"
+            )
         if world not in cache:
             base = tmp_path_factory.mktemp(f"offload{world}")
             nvme = base / "nvme"
             nvme.mkdir()
-            spawn_ranks(
-                HERE / "_offload_worker.py",
-                world,
-                [str(base / "results.json"), str(nvme)],
-                deadline_s=float(os.environ.get("ZR_TEST_DEADLINE", 240)),
-            )
+            try:
+                spawn_ranks(
+                    HERE / "_offload_worker.py",
+                    world,
+                    [str(base / "results.json"), str(nvme)],
+                    deadline_s=float(os.environ.get("ZR_TEST_DEADLINE", 240)),
+                )
+            except AssertionError as e:
+                failed[world] = str(e).splitlines()[0]
+                raise
             cache[world] = json.loads((base / "results.json").read_text())
             cache[world]["_nvme_left"] = sorted(os.listdir(nvme))
         return cache[world]

@@ -34,15 +34,25 @@ BUILDS = ["build-init", "build-load", "build-reentrant"]
 def results(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
     cache: dict[int, dict] = {}
 
+    failed: dict[int, str] = {}
+
     def get(world: int) -> dict:
+        if world in failed:  # one failed launch fails its tests at once, not one relaunch each
+            raise AssertionError(
+                f"the world {world} launch failed (the first test using it shows why): {failed[world]}"
+            )
         if world not in cache:
             out = tmp_path_factory.mktemp(f"s3w{world}") / "results.json"
-            spawn_ranks(
-                HERE / "_s3_worker.py",
-                world,
-                [str(out)],
-                deadline_s=float(os.environ.get("ZR_TEST_DEADLINE", 300)),
-            )
+            try:
+                spawn_ranks(
+                    HERE / "_s3_worker.py",
+                    world,
+                    [str(out)],
+                    deadline_s=float(os.environ.get("ZR_TEST_DEADLINE", 300)),
+                )
+            except AssertionError as e:
+                failed[world] = str(e).splitlines()[0]
+                raise
             cache[world] = json.loads(out.read_text())
         return cache[world]
 
