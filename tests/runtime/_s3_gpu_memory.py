@@ -4,10 +4,12 @@
 
 (scripts/gpu_checks.sh runs it.) The model is built under ``zerorun.zero.Init``, trained a few
 steps, and ``torch.cuda.memory_allocated()`` is read at rest (after ``step``: every group
-released). Expected per rank, bf16 + AdamW, fp32 gradient shards:
+released) and after the last backward (gradient slices alive). Expected per rank, bf16 +
+AdamW, fp32 gradient slices:
 
-    16 * Ψ_partitioned / N          (fp32 master = at-rest shard 4, gradient shard 4, Adam 8)
-  + 2 * Ψ_persistent + 16 * Ψ_persistent / N   (persistent params are replicated in bf16)
+    after backward: 16 * Ψ / N   (fp32 master = at-rest shard 4, gradient slice 4, Adam 8)
+    at rest:        12 * Ψ / N   (gradient slices are dropped after the optimizer step)
+  + 2 * Ψ_persistent              (persistent params are replicated in bf16)
   + padding (< N * 64 elements per flat buffer) and the allocator's rounding
 
 Rank 0 prints one JSON line (and writes it to $OUT/s3_memory_w{N}.json when OUT is set).
@@ -60,10 +62,13 @@ def main() -> None:
     after_initialize = allocated() - base
     data = SyntheticTokens(cfg, 2, engine.device, seed=7, rank=engine.global_rank)
     losses = []
+    after_backward = -1
     for step in range(args.steps):
         x, y = data.batch(step)
         loss = engine(x, y)
         engine.backward(loss)
+        if step == args.steps - 1:
+            after_backward = allocated() - base  # gathered groups are released by now
         engine.step()
         losses.append(float(loss))
     at_rest = allocated() - base
@@ -73,18 +78,23 @@ def main() -> None:
     persistent = sum(layout.numel for g in st.groups if g.persistent for layout in g.layouts)
     partitioned = sum(layout.numel for g in st.groups if not g.persistent for layout in g.layouts)
     padding = sum(layout.padded_numel - layout.numel for layout in st.layouts)
-    expected = 16 * partitioned / world + 2 * persistent + 16 * persistent / world
+    psi = partitioned + persistent
+    expected_rest = 12 * psi / world + 2 * persistent
+    expected_backward = 16 * psi / world + 2 * persistent
     result = {
         "size": args.size,
         "world": world,
-        "psi": partitioned + persistent,
+        "psi": psi,
         "psi_persistent": persistent,
         "after_zero_init_bytes": after_init_ctx,
         "after_initialize_bytes": after_initialize,
         "at_rest_bytes": at_rest,
-        "expected_16psi_over_n_bytes": expected,
+        "expected_at_rest_12psi_over_n_bytes": expected_rest,
+        "ratio_at_rest": at_rest / expected_rest if at_rest > 0 else None,
+        "after_backward_bytes": after_backward,
+        "expected_after_backward_16psi_over_n_bytes": expected_backward,
+        "ratio_after_backward": after_backward / expected_backward if after_backward > 0 else None,
         "padding_bytes_max": 16 * padding / world,
-        "ratio": at_rest / expected if at_rest > 0 else None,
         "peak_bytes": peak,
         "ledger": engine.memory_summary(),
         "losses": losses,
