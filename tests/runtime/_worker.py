@@ -96,13 +96,17 @@ def run_case(case: _cases.Case, rank: int, world: int) -> dict | None:
             loss = engine(ids.to(engine.device), tgt.to(engine.device))
             losses.append((step, micro, loss.item()))
             engine.backward(loss * math.inf if (step, rank) in inject else loss)
+            if step == case.steps - 1 and micro == case.accum - 1:
+                # Gradient memory exists from the step's first reduction to the optimizer step
+                # (zero_grad frees it): measure the model states while all four terms are alive.
+                engine.stage.grad_shards()
+                measured, estimated = model_state_terms(engine, case, world)
             engine.step()
         norms.append(engine.get_global_grad_norm())
         scales_after.append(engine.get_loss_scale())
         after = torch.cat([p.detach().float().reshape(-1) for p in model.parameters()]).sum().item()
         checksums.append((before, after))
     memory = engine.memory_summary()
-    measured, estimated = model_state_terms(engine, case, world)
     masters = full_masters(engine)
     shard_numel = sum(layout.shard_numel for layout in engine.stage.layouts)
     result = {

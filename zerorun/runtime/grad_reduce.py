@@ -16,8 +16,15 @@ memory of stage 2's staging buffers.
 * ``PartitionedGrads`` (stage 2): each micro-step a buffer's gradients go into a staging
   buffer that is reduce-scattered and freed; only this rank's shard is kept and accumulates.
 
-Averaging divides by the world size before the sum (gloo has no PREMUL_SUM; exact for powers
-of two).
+Gradient memory (the accumulation buffers of stages 0/1, the shards of stage 2) is allocated per
+flat buffer when its first gradient of the step arrives and dropped by ``zero_grad`` after the
+optimizer step, as stage 3 does: between steps it is free (the next forward's activations reuse
+the blocks), and during backward buffers appear as the activations they replace are freed.
+
+Averaging divides by the world size before the sum (gloo has no PREMUL_SUM). For a power-of-two
+world the division is folded into the hook's copy/add (``x * 2**-k`` is exact, so the result is
+bitwise the same and one pass over the buffer is saved); otherwise the buffer is divided before
+its collective.
 """
 
 from __future__ import annotations
@@ -47,6 +54,11 @@ class GradReducer:
         self.world = comm.world_size
         self.shard = comm.rank if flat.layouts and flat.layouts[0].num_shards > 1 else 0
         n = len(flat.layouts)
+        averaging = not comm.trivial and self.world > 1
+        pow2 = self.world & (self.world - 1) == 0
+        # 1/world applied as gradients arrive (exact for powers of two), else before issuing.
+        self._prescale: float | None = 1.0 / self.world if averaging and pow2 else None
+        self._postdivide = averaging and not pow2
         self._reported = [0] * n
         self._written: list[list[bool]] = [[False] * len(layout.slots) for layout in flat.layouts]
         self._next = 0  # position in self._order of the next buffer to issue
@@ -112,6 +124,10 @@ class GradReducer:
 
     def grad_shards(self) -> list[torch.Tensor]:
         raise NotImplementedError
+
+    def grad_shard(self, i: int) -> torch.Tensor:
+        """Flat buffer ``i``'s entry of ``grad_shards()`` alone (allocates no other buffer)."""
+        return self.grad_shards()[i]
 
     def zero_grad(self) -> None:
         raise NotImplementedError
@@ -187,42 +203,57 @@ class GradReducer:
 class _FullAccumulation(GradReducer):
     """Full reduce-dtype gradient buffers that accumulate across micro-steps (stages 0 and 1)."""
 
-    # Persistent buffers that nothing else touches until end_backward: no memory to bound, and
-    # retiring early would only make the compute stream wait for the network.
+    # Buffers that nothing else touches until end_backward: no memory to bound, and retiring
+    # early would only make the compute stream wait for the network.
     max_inflight = 1 << 30
 
     def __init__(self, flat: FlatParamBuffers, comm: Communicator, reduce_dtype: torch.dtype) -> None:
         super().__init__(flat, comm, reduce_dtype)
-        self.acc = [
-            torch.zeros(layout.padded_numel, dtype=reduce_dtype, device=flat.device)
-            for layout in flat.layouts
-        ]
-        # Each parameter's slice, made once: no per-step view creation in the hook.
-        self._views = [
-            [a[slot.offset : slot.offset + slot.numel] for slot in layout.slots]
-            for a, layout in zip(self.acc, flat.layouts, strict=True)
-        ]
+        n = len(flat.layouts)
+        self.acc: list[torch.Tensor | None] = [None] * n  # allocated lazily: _acc(i)
+        self._views: list[list[torch.Tensor]] = [[] for _ in range(n)]  # each parameter's slice
+
+    def _acc(self, i: int) -> torch.Tensor:
+        a = self.acc[i]
+        if a is None:
+            layout = self.flat.layouts[i]
+            a = torch.zeros(layout.padded_numel, dtype=self.reduce_dtype, device=self.flat.device)
+            self.acc[i] = a
+            self._views[i] = [a[slot.offset : slot.offset + slot.numel] for slot in layout.slots]
+        return a
 
     def _accept(self, i: int, k: int, offset: int, numel: int, grad: torch.Tensor) -> None:
-        self._views[i][k].add_(grad)
+        self._acc(i)
+        if self._prescale is None:
+            self._views[i][k].add_(grad)
+        else:
+            self._views[i][k].add_(grad, alpha=self._prescale)
+
+    def _average(self, i: int) -> torch.Tensor:
+        a = self._acc(i)
+        if self._postdivide:
+            a.div_(self.world)
+        return a
 
     def zero_grad(self) -> None:
-        for a in self.acc:
-            a.zero_()
+        self.acc = [None] * len(self.flat.layouts)
+        self._views = [[] for _ in self.flat.layouts]
 
     def buffers(self) -> list[torch.Tensor]:
-        return list(self.acc)
+        return [a for a in self.acc if a is not None]
 
 
 class AllReduceGrads(_FullAccumulation):
     def _launch(self, i: int) -> None:
         if not self.boundary or self.comm.trivial:
             return
-        self.acc[i].div_(self.world)
-        self._track(self.comm.all_reduce(self.acc[i]))
+        self._track(self.comm.all_reduce(self._average(i)))
 
     def grad_shards(self) -> list[torch.Tensor]:
-        return list(self.acc)
+        return [self._acc(i) for i in range(len(self.flat.layouts))]
+
+    def grad_shard(self, i: int) -> torch.Tensor:
+        return self._acc(i)
 
 
 class BoundaryReduceScatter(_FullAccumulation):
@@ -230,32 +261,40 @@ class BoundaryReduceScatter(_FullAccumulation):
         if not self.boundary or self.comm.trivial:
             return
         start, end = self.flat.layouts[i].shard_range(self.shard)
-        self.acc[i].div_(self.world)
-        self._track(self.comm.reduce_scatter(self.acc[i][start:end], self.acc[i]))
+        a = self._average(i)
+        self._track(self.comm.reduce_scatter(a[start:end], a))
 
     def grad_shards(self) -> list[torch.Tensor]:
-        out = []
-        for layout, a in zip(self.flat.layouts, self.acc, strict=True):
-            start, end = layout.shard_range(self.shard)
-            out.append(a[start:end])
-        return out
+        return [self.grad_shard(i) for i in range(len(self.flat.layouts))]
+
+    def grad_shard(self, i: int) -> torch.Tensor:
+        start, end = self.flat.layouts[i].shard_range(self.shard)
+        return self._acc(i)[start:end]
 
 
 class PartitionedGrads(GradReducer):
     def __init__(self, flat: FlatParamBuffers, comm: Communicator, reduce_dtype: torch.dtype) -> None:
         super().__init__(flat, comm, reduce_dtype)
-        self.shards = [
-            torch.zeros(layout.shard_numel, dtype=reduce_dtype, device=flat.device) for layout in flat.layouts
-        ]
+        n = len(flat.layouts)
+        # None until the step's first gradient for the buffer: a shard not yet written since
+        # zero_grad takes the reduce-scatter output directly (no zeros, no add). Tracked per
+        # buffer rather than from the micro-step counter, so several backward passes before one
+        # step still accumulate.
+        self.shards: list[torch.Tensor | None] = [None] * n
         self._staging: dict[int, torch.Tensor] = {}
-        # A shard not yet written since zero_grad takes the reduce-scatter output directly
-        # (no add). Tracked per buffer rather than from the micro-step counter, so several
-        # backward passes before one step still accumulate.
-        self._fresh = [True] * len(flat.layouts)
-        self._views = [
-            [sh[slot.offset : slot.offset + slot.numel] for slot in layout.slots]
-            for sh, layout in zip(self.shards, flat.layouts, strict=True)
-        ]  # used on one rank only, where the shard is the whole buffer
+        # Each parameter's slice of its shard; used on one rank only, where the shard is the
+        # whole buffer.
+        self._views: list[list[torch.Tensor]] = [[] for _ in range(n)]
+
+    def _zeros_shard(self, i: int) -> torch.Tensor:
+        shard = self.shards[i]
+        if shard is None:
+            layout = self.flat.layouts[i]
+            shard = torch.zeros(layout.shard_numel, dtype=self.reduce_dtype, device=self.flat.device)
+            self.shards[i] = shard
+            if self.comm.trivial:
+                self._views[i] = [shard[slot.offset : slot.offset + slot.numel] for slot in layout.slots]
+        return shard
 
     def _staging_for(self, i: int) -> torch.Tensor:
         buf = self._staging.get(i)
@@ -276,9 +315,14 @@ class PartitionedGrads(GradReducer):
     def _accept(self, i: int, k: int, offset: int, numel: int, grad: torch.Tensor) -> None:
         if self.comm.trivial:
             # One rank: the shard is the whole buffer; accumulate into it, no staging, no copy.
+            self._zeros_shard(i)
             self._views[i][k].add_(grad)
             return
-        self._staging_for(i)[offset : offset + numel].copy_(grad)
+        dst = self._staging_for(i)[offset : offset + numel]
+        if self._prescale is None:
+            dst.copy_(grad)
+        else:
+            torch.mul(grad, self._prescale, out=dst)  # cast + average in one pass
 
     def _fill_unwritten(self, i: int) -> None:
         if self.comm.trivial:
@@ -292,25 +336,29 @@ class PartitionedGrads(GradReducer):
         if self.comm.trivial:
             return
         staging = self._staging.pop(i)
-        if self.world > 1:
+        if self._postdivide:
             staging.div_(self.world)
         shard = self.shards[i]
-        start, end = self.flat.layouts[i].shard_range(self.shard)
-        if self._fresh[i]:
-            # First gradient since zero_grad: reduce straight into the kept shard.
-            self._fresh[i] = False
+        if shard is None:
+            # First gradient since zero_grad: reduce straight into a new kept shard.
+            layout = self.flat.layouts[i]
+            shard = torch.empty(layout.shard_numel, dtype=self.reduce_dtype, device=self.flat.device)
+            self.shards[i] = shard
             self._track(self.comm.reduce_scatter(shard, staging))
         else:
-            out = staging[start:end] if self.comm.trivial else torch.empty_like(shard)
+            out = torch.empty_like(shard)
             self._track(self.comm.reduce_scatter(out, staging, then=lambda: shard.add_(out)))
 
     def grad_shards(self) -> list[torch.Tensor]:
-        return list(self.shards)
+        # Zeros for a buffer nothing was reduced into (a step without backward).
+        return [self._zeros_shard(i) for i in range(len(self.flat.layouts))]
+
+    def grad_shard(self, i: int) -> torch.Tensor:
+        return self._zeros_shard(i)
 
     def zero_grad(self) -> None:
-        for s in self.shards:
-            s.zero_()  # cheap (a shard) and keeps a step without backward at zero gradients
-        self._fresh = [True] * len(self.flat.layouts)
+        self.shards = [None] * len(self.flat.layouts)
+        self._views = [[] for _ in self.flat.layouts]
 
     def buffers(self) -> list[torch.Tensor]:
-        return list(self.shards)
+        return [s for s in self.shards if s is not None]

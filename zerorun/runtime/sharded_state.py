@@ -153,18 +153,26 @@ class ShardedOptimizerState:
     def grad_ready(self, index: int, grad_shard: torch.Tensor) -> None:
         self.placement.grad_ready(index, grad_shard, self.optimizer)
 
-    def step(self, grad_shards: Sequence[torch.Tensor]) -> None:
+    def step(self, grad_shards: Sequence[torch.Tensor], indices: Sequence[int] | None = None) -> None:
+        """The optimizer step on every master, or only on the masters of flat buffers
+        ``indices`` (an elementwise torch optimizer skips parameters whose ``grad`` is None, so
+        stepping a partition of the buffers one part at a time is the same step; a stage uses
+        it to start one part's all-gather while the optimizer works on the next)."""
         assert self.optimizer is not None
-        for i, (master, grad) in enumerate(zip(self.masters, grad_shards, strict=True)):
-            master.grad = self.placement.grad_for_step(i, grad, master)
+        assert len(grad_shards) == len(self.masters)
+        chosen = range(len(self.masters)) if indices is None else indices
+        for i in chosen:
+            master = self.masters[i]
+            master.grad = self.placement.grad_for_step(i, grad_shards[i], master)
         self.placement.before_step()
         self.placement.step(self.optimizer)
-        for master in self.masters:
-            master.grad = None
+        for i in chosen:
+            self.masters[i].grad = None
 
-    def write_back(self, dsts: Sequence[torch.Tensor]) -> None:
-        for i, (master, dst) in enumerate(zip(self.masters, dsts, strict=True)):
-            self.placement.write_back(i, master, dst)
+    def write_back(self, dsts: Sequence[torch.Tensor], indices: Sequence[int] | None = None) -> None:
+        assert len(dsts) == len(self.masters)
+        for i in range(len(self.masters)) if indices is None else indices:
+            self.placement.write_back(i, self.masters[i], dsts[i])
         self.placement.after_write_back()
 
     # -- exposure for checkpoints and memory accounting ---------------------------------------

@@ -37,12 +37,25 @@ from zerorun.runtime.grad_reduce import (
     GradReducer,
     PartitionedGrads,
 )
+from zerorun.runtime.optimizer import ELEMENTWISE
 from zerorun.runtime.precision import MixedPrecisionPolicy
-from zerorun.runtime.sharded_state import ShardedOptimizerState, ShardPlacement
+from zerorun.runtime.sharded_state import DevicePlacement, ShardedOptimizerState, ShardPlacement
 
-__all__ = ["FlatStage", "build_flat_stage"]
+__all__ = ["FlatStage", "build_flat_stage", "MAX_FLAT_NUMEL"]
 
 _REDUCERS: dict[int, type[GradReducer]] = {0: AllReduceGrads, 1: BoundaryReduceScatter, 2: PartitionedGrads}
+
+# Flat buffers hold at most this many elements, whatever reduce_bucket_size allows (DeepSpeed's
+# default 5e8 would make a 1.3B model three buffers). A buffer is the unit of communication and
+# of lazily allocated gradient memory, so smaller ones (a) start their reduce-scatter earlier in
+# the backward and leave less of it exposed at the end, (b) bound stage 2's staging buffers
+# (3 x 5e8 fp32 elements = 6 GB otherwise) and (c) let gradient memory appear gradually while
+# activations are freed. 5e7 is one transformer block of 2048 hidden (FSDP2's unit here); NCCL
+# runs messages of that size at full bandwidth. A parameter larger than this still gets a
+# buffer of its own.
+MAX_FLAT_NUMEL = 50_000_000
+# The pipelined step (FlatStage.step) splits the buffers into about this many parts.
+_STEP_PARTS = 8
 
 
 class FlatStage:
@@ -64,6 +77,7 @@ class FlatStage:
         self.grads_replicated = stage == 0
         self._shard = state.shard_index
         self._own = [flat.shard(i, self._shard) for i in range(len(flat.layouts))]  # views, made once
+        self._parts: list[list[int]] | None = None  # decided at the first step (needs the optimizer)
 
     @property
     def layouts(self):  # noqa: ANN201 - list[FlatLayout]
@@ -79,8 +93,24 @@ class FlatStage:
         return self.reducer.grad_shards()
 
     def step(self, grad_shards: Sequence[torch.Tensor]) -> None:
-        self.state.step(grad_shards)
         own = self._own
+        if self._parts is None:
+            self._parts = self._step_parts()
+        if len(self._parts) > 1:
+            # Pipelined: optimizer on one part of the buffers, its write-back, its all-gather
+            # issued on the communication stream -- which then runs while the optimizer works on
+            # the next part. Only the last part's all-gather is left exposed, instead of all of
+            # them after the whole optimizer step.
+            pending = []
+            with torch.no_grad():
+                for part in self._parts:
+                    self.state.step(grad_shards, part)
+                    self.state.write_back(own, part)
+                    pending += [self.comm.all_gather(self.flat.buffers[i], own[i]) for i in part]
+                for p in pending:
+                    p.wait()
+            return
+        self.state.step(grad_shards)
         with torch.no_grad():
             self.state.write_back(own)
             if self.stage > 0:
@@ -90,6 +120,34 @@ class FlatStage:
                 ]
                 for p in pending:
                     p.wait()
+
+    def _step_parts(self) -> list[list[int]]:
+        """Parts of about equal size for the pipelined step, or one part (the plain step) when
+        there is nothing to overlap (stage 0, one rank) or stepping parts is not provably the
+        same step: an optimizer not known to be elementwise, or an offload placement (it
+        schedules its own CPU work over the buffers)."""
+        n = len(self.flat.layouts)
+        optimizer = self.state.optimizer
+        if (
+            self.stage == 0
+            or self.comm.trivial
+            or n < 2
+            or type(self.state.placement) is not DevicePlacement
+            or optimizer is None
+            or type(optimizer) not in ELEMENTWISE.values()
+        ):
+            return [list(range(n))]
+        sizes = [layout.shard_numel for layout in self.flat.layouts]
+        target = max(1, sum(sizes) // _STEP_PARTS)
+        parts: list[list[int]] = [[]]
+        filled = 0
+        for i, size in enumerate(sizes):
+            if filled >= target:
+                parts.append([])
+                filled = 0
+            parts[-1].append(i)
+            filled += size
+        return parts
 
     def zero_grad(self) -> None:
         self.reducer.zero_grad()
@@ -128,7 +186,7 @@ def build_flat_stage(
         param_dtype=policy.param_dtype,
         device=device,
         num_shards=num_shards,
-        bucket_numel=bucket_numel,
+        bucket_numel=min(bucket_numel, MAX_FLAT_NUMEL),
     )
     fp32_init: Callable[[int], torch.Tensor] = lambda i: flat.fp32_shard_from(i, shard, originals)  # noqa: E731
     state = ShardedOptimizerState(
@@ -142,7 +200,7 @@ def build_flat_stage(
     reducer = _REDUCERS[stage](flat, comm, policy.reduce_dtype)
     # A reduced gradient final during backward goes to the placement at once (offload may start
     # the CPU step there; the default placement ignores it).
-    reducer.on_grad_ready = lambda i: state.grad_ready(i, reducer.grad_shards()[i])
+    reducer.on_grad_ready = lambda i: state.grad_ready(i, reducer.grad_shard(i))
     return FlatStage(stage, flat, reducer, state, comm)
 
 
