@@ -42,6 +42,9 @@ params = list(model.named_parameters())
 partitioned = all(hasattr(p, "ds_numel") for _, p in params)
 held = sum(p._zerorun_init.shard.numel() for _, p in params if hasattr(p, "_zerorun_init"))
 total = sum(p.ds_numel for _, p in params)
+# Under the layer (as with DeepSpeed) state_dict() holds placeholders: one shared element each.
+names = {name for name, _ in params}
+placeholders = all(v.untyped_storage().nbytes() <= v.element_size() for k, v in model.state_dict().items() if k in names)
 
 reference = load_file(os.path.join(args.model, "model.safetensors"))
 diffs = {}
@@ -70,6 +73,7 @@ with open(os.path.join(args.out, f"rank{rank}.json"), "w") as fh:
             "world": deepspeed.comm.get_world_size(),
             "local_rank_arg": args.local_rank,
             "partitioned": partitioned,
+            "placeholder_state_dict": placeholders,
             "held": held,
             "total": total,
             "max_weight_diff": max(diffs.values()),
