@@ -13,7 +13,11 @@ import torch
 from zerorun.compat.deepspeed import add_config_arguments
 from zerorun.compat.deepspeed.checkpoint.utils import clone_tensors_for_torch_save
 from zerorun.compat.deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
-from zerorun.compat.deepspeed.runtime.engine import _config_dict, _runtime_view
+from zerorun.compat.deepspeed.runtime.engine import (
+    _config_dict,
+    _runtime_view,
+    check_not_accelerate_on_cpu_ranks,
+)
 from zerorun.compat.deepspeed.runtime.lr_schedules import VALID_LR_SCHEDULES
 from zerorun.errors import RuntimeConfigError
 
@@ -80,6 +84,15 @@ def test_config_comes_from_where_deepspeed_takes_it(tmp_path: Path, monkeypatch:
     assert _config_dict(argparse.Namespace(), None, None) == given
     # accelerate's "never print" is not a count zerorun's schema accepts; it prints nothing anyway.
     assert "steps_per_print" not in _runtime_view({"steps_per_print": float("inf"), "a": 1})
+
+
+def test_accelerate_on_several_cpu_ranks_is_refused_with_the_reason() -> None:
+    hf = {"ACCELERATE_USE_DEEPSPEED": "true"}
+    with pytest.raises(RuntimeConfigError, match="accelerate counts one process on CPU"):
+        check_not_accelerate_on_cpu_ranks(hf, world_size=2, cuda=False)
+    check_not_accelerate_on_cpu_ranks(hf, world_size=1, cuda=False)  # one CPU process works
+    check_not_accelerate_on_cpu_ranks(hf, world_size=2, cuda=True)
+    check_not_accelerate_on_cpu_ranks({}, world_size=2, cuda=False)  # DeepSpeed scripts: fine
 
 
 def test_add_config_arguments() -> None:

@@ -84,6 +84,18 @@ def _elementwise_standin(optimizer: Any) -> bool:
     return type(optimizer) in (DeepSpeedCPUAdam, FusedAdam)
 
 
+def check_not_accelerate_on_cpu_ranks(env: dict[str, str], world_size: int, cuda: bool) -> None:
+    """accelerate takes its DeepSpeed path on CPU but counts one process there whatever the
+    world size (it only knows GPU backends for it): batch sizes and data sharding would be
+    wrong. Say so instead of failing later on a batch-size mismatch."""
+    if env.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true" and world_size > 1 and not cuda:
+        raise RuntimeConfigError(
+            f"Hugging Face Trainer/accelerate with DeepSpeed on {world_size} CPU ranks: accelerate counts one "
+            "process on CPU (its DeepSpeed path needs GPUs), so batch sizes and data sharding would be wrong. "
+            "Run one CPU rank (--num_gpus 1), or run on GPUs (several ranks may share one: --ranks_per_gpu)."
+        )
+
+
 def _evaluation_only_optimizer(groups: Any) -> torch.optim.Optimizer:
     # zerorun's engine always has an optimizer; DeepSpeed's may have none (ZeRO-3 inference,
     # Trainer.evaluate before train). SGD without momentum keeps no state; the engine wrapper
@@ -113,6 +125,10 @@ def initialize(
     import zerorun
 
     cfg = _config_dict(args, config, config_params)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        device = os.environ.get("ZERORUN_DEVICE")
+        cuda = device == "cuda" or (device is None and torch.cuda.is_available())
+        check_not_accelerate_on_cpu_ranks(dict(os.environ), torch.distributed.get_world_size(), cuda)
     runtime_cfg = _runtime_view(cfg)
     if optimizer is not None and _elementwise_standin(optimizer):
         runtime_cfg = dict(runtime_cfg, zero_allow_untested_optimizer=True)
