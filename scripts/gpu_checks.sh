@@ -10,59 +10,79 @@
 # Results (logs, junit XML, a summary) go under $OUT (default ./gpu_checks_out). Needs torch with
 # CUDA, pytest, and zerorun's dependencies (pydantic, typer, rich, pyyaml; paramiko is not used
 # here). PYTHON selects the interpreter (default: python3).
+#
+# Bounded: each group has its own limit and all of them share GPU_CHECKS_BUDGET seconds (default
+# 480): a group gets what is left, a group with under 20 s left is skipped (said in the summary),
+# so the script ends in about 8 minutes even when something hangs. pytest prints every failure's
+# short traceback and the list of failures (-rf --tb=short) into the group's log, whose last 40
+# lines also go to the summary when the group fails.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu_checks_out}"
 PY="${PYTHON:-python3}"
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" OMP_NUM_THREADS=4 PYTHONUNBUFFERED=1
-export CUBLAS_WORKSPACE_CONFIG=:4096:8 ZERORUN_TEST_DEVICE=cuda ZERORUN_RANKS_PER_GPU=4 ZR_TEST_DEADLINE=420
+# ZR_TEST_DEADLINE: one multi-rank launch inside a test (a hang ends there, with every rank's output).
+export CUBLAS_WORKSPACE_CONFIG=:4096:8 ZERORUN_TEST_DEVICE=cuda ZERORUN_RANKS_PER_GPU=4 ZR_TEST_DEADLINE=100
+BUDGET="${GPU_CHECKS_BUDGET:-480}"
+PYTEST=("$PY" -m pytest -q -p no:cacheprovider -rf --tb=short)
 summary="$OUT/summary.txt"
 : >"$summary"
 nvidia-smi >"$OUT/nvidia-smi.txt" 2>&1 || true
 "$PY" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name(0))' \
   | tee -a "$summary"
 
-run() {  # run NAME CMD...: log to $OUT/NAME.log, one line per step in the summary
-  local name=$1; shift
+run() {  # run NAME LIMIT_S CMD...: log to $OUT/NAME.log, one line per step in the summary
+  local name=$1 limit=$2; shift 2
+  local left=$((BUDGET - SECONDS))
+  if ((left < 20)); then
+    echo "$name: SKIPPED (GPU_CHECKS_BUDGET=$BUDGET s spent)" | tee -a "$summary"
+    return 0
+  fi
+  ((limit > left)) && limit=$left
   local t0=$SECONDS
-  timeout 900 "$@" >"$OUT/$name.log" 2>&1
+  timeout -k 10 "$limit" "$@" >"$OUT/$name.log" 2>&1
   local rc=$?
-  echo "$name: exit $rc in $((SECONDS - t0)) s -- $(tail -n 1 "$OUT/$name.log")" | tee -a "$summary"
+  local why=""
+  ((rc == 124 || rc == 137)) && why=" (TIMEOUT after $limit s)"
+  echo "$name: exit $rc$why in $((SECONDS - t0)) s -- $(tail -n 1 "$OUT/$name.log")" | tee -a "$summary"
+  if ((rc != 0)); then
+    tail -n 40 "$OUT/$name.log" | sed "s/^/    $name| /" >>"$summary"
+  fi
   return 0
 }
 
 # 1. world 1 on NCCL, collectives forced through the CUDA stream path.
-run eq_world1_nccl env ZERORUN_BACKEND=nccl ZERORUN_DEBUG_COLLECTIVES=1 \
-  "$PY" -m pytest -q -p no:cacheprovider tests/runtime/test_equivalence.py -k "w1 and not golden" \
+run eq_world1_nccl 60 env ZERORUN_BACKEND=nccl ZERORUN_DEBUG_COLLECTIVES=1 \
+  "${PYTEST[@]}" tests/runtime/test_equivalence.py -k "w1 and not golden" \
   --junitxml="$OUT/eq_world1_nccl.xml"
 # 2. 2 and 4 ranks sharing the GPU over gloo (host-staged collectives, stream/event ordering).
-run eq_shared_gloo env ZERORUN_BACKEND=gloo \
-  "$PY" -m pytest -q -p no:cacheprovider tests/runtime/test_equivalence.py -k "(w2 or w4) and not golden" \
+run eq_shared_gloo 90 env ZERORUN_BACKEND=gloo \
+  "${PYTEST[@]}" tests/runtime/test_equivalence.py -k "(w2 or w4) and not golden" \
   --junitxml="$OUT/eq_shared_gloo.xml"
 # 2b. offload (docs/offload.md): the CUDA copy path -- pinned host buffers, D2H of gradient tiles
 #     and H2D of parameter tiles on side streams ordered by events, the worker thread's step, the
 #     delayed update, stage-3 parameter fetches from the host -- against the same references.
 #     World 1 on NCCL, then 2 ranks sharing the GPU over gloo (+ checkpoint resume). The NVMe
 #     cases use pytest's temp dir: TMPDIR on a local disk exercises direct I/O.
-run offload_world1_nccl env ZERORUN_BACKEND=nccl \
-  "$PY" -m pytest -q -p no:cacheprovider tests/runtime/test_offload.py -k "w1" \
+run offload_world1_nccl 45 env ZERORUN_BACKEND=nccl \
+  "${PYTEST[@]}" tests/runtime/test_offload.py -k "w1" \
   --junitxml="$OUT/offload_world1_nccl.xml"
-run offload_shared_gloo env ZERORUN_BACKEND=gloo \
-  "$PY" -m pytest -q -p no:cacheprovider tests/runtime/test_offload.py -k "not w1" \
+run offload_shared_gloo 120 env ZERORUN_BACKEND=gloo \
+  "${PYTEST[@]}" tests/runtime/test_offload.py -k "not w1" \
   --junitxml="$OUT/offload_shared_gloo.xml"
-run offload_units "$PY" -m pytest -q -p no:cacheprovider tests/runtime/test_offload_units.py \
+run offload_units 40 "${PYTEST[@]}" tests/runtime/test_offload_units.py \
   --junitxml="$OUT/offload_units.xml"
 # 3. the README's example through the launcher.
-run gpt_1gpu_nccl "$PY" -m zerorun --num_gpus 1 examples/gpt.py --config templates/zero2.yaml --size 125M --seq_len 1024 --steps 30 --lr 6e-4
-run gpt_2ranks_shared "$PY" -m zerorun --num_gpus 2 --ranks_per_gpu 2 examples/gpt.py --config templates/zero2.yaml --steps 20 --lr 3e-3
+run gpt_1gpu_nccl 60 "$PY" -m zerorun --num_gpus 1 examples/gpt.py --config templates/zero2.yaml --size 125M --seq_len 1024 --steps 30 --lr 6e-4
+run gpt_2ranks_shared 45 "$PY" -m zerorun --num_gpus 2 --ranks_per_gpu 2 examples/gpt.py --config templates/zero2.yaml --steps 20 --lr 3e-3
 # 4. ZeRO stage 3: world 1 on NCCL (collectives forced through the stream path), 2 and 4 ranks
 #    sharing the GPU over gloo (prefetched all-gathers and reduce-scatters on the side stream).
-run s3_world1_nccl env ZERORUN_BACKEND=nccl ZERORUN_DEBUG_COLLECTIVES=1 ZR_S3_WORLDS=1 \
-  "$PY" -m pytest -q -p no:cacheprovider tests/runtime/test_stage3.py --junitxml="$OUT/s3_world1_nccl.xml"
-run s3_shared_gloo env ZERORUN_BACKEND=gloo ZR_S3_WORLDS=2,4 \
-  "$PY" -m pytest -q -p no:cacheprovider tests/runtime/test_stage3.py --junitxml="$OUT/s3_shared_gloo.xml"
+run s3_world1_nccl 45 env ZERORUN_BACKEND=nccl ZERORUN_DEBUG_COLLECTIVES=1 ZR_S3_WORLDS=1 \
+  "${PYTEST[@]}" tests/runtime/test_stage3.py --junitxml="$OUT/s3_world1_nccl.xml"
+run s3_shared_gloo 90 env ZERORUN_BACKEND=gloo ZR_S3_WORLDS=2,4 \
+  "${PYTEST[@]}" tests/runtime/test_stage3.py --junitxml="$OUT/s3_shared_gloo.xml"
 # 5. stage-3 memory at rest per rank (torch.cuda.memory_allocated) vs 16Ψ/N: JSON in $OUT/s3_memory_w*.json
-run s3_memory_w1 env OUT="$OUT" "$PY" -m zerorun --num_gpus 1 tests/runtime/_s3_gpu_memory.py --size 350M
-run s3_memory_w4 env OUT="$OUT" "$PY" -m zerorun --num_gpus 4 --ranks_per_gpu 4 tests/runtime/_s3_gpu_memory.py --size 350M
+run s3_memory_w1 40 env OUT="$OUT" "$PY" -m zerorun --num_gpus 1 tests/runtime/_s3_gpu_memory.py --size 350M
+run s3_memory_w4 60 env OUT="$OUT" "$PY" -m zerorun --num_gpus 4 --ranks_per_gpu 4 tests/runtime/_s3_gpu_memory.py --size 350M
 echo "results in $OUT" | tee -a "$summary"

@@ -73,6 +73,11 @@ class InitShard:
         store = comm.device if store_device is None else store_device
         self.shape = torch.Size(p.shape)
         self.dtype = p.dtype
+        # Where the parameter was created (the CPU for a model built as usual): init code run
+        # on it later (``nn.init.*_``, ``module.apply``) gets its full values *there*, so it draws
+        # from that device's generator -- as without the context. (On the training GPU it would
+        # draw from the CUDA generator: other values than normal construction, seen on an H200.)
+        self.home = p.device
         self.numel = flat.numel()
         self.shard_numel = max(1, math.ceil(self.numel / comm.world_size))
         start = comm.rank * self.shard_numel
@@ -157,7 +162,7 @@ class _Gathered:
     def __enter__(self) -> None:
         for p in self.params:
             h = p._zerorun_init  # type: ignore[attr-defined]
-            p.data = h.materialize().clone().view(h.shape)
+            p.data = h.materialize().to(h.home, copy=True).view(h.shape)
 
     def __exit__(self, *exc: object) -> None:
         for p in self.params:
