@@ -3,9 +3,10 @@
     python tests/compat/_trainer_worker.py WORKDIR CASE [CASE ...]
 
 A case is ``plain`` (Trainer without DeepSpeed: the reference), ``article`` (the article's
-section 3.3 ds_config.json file) or ``s{stage}-{hf|cfg}[-cpu][-resume]``: ZeRO stage, optimizer built by the Trainer (``hf``) or
-from the config's ``optimizer`` section (``cfg``), CPU optimizer offload, and a second run that
-resumes from the first run's ``checkpoint-2``. Every case trains the same tiny GPT-2 (built from
+section 3.3 ds_config.json file) or ``s{stage}-{hf|cfg}[-cpu|-nvme][-param][-resume]``: ZeRO stage, optimizer built by the Trainer
+(``hf``) or from the config's ``optimizer`` section (``cfg``), optimizer offload to CPU or NVMe
+(a directory), stage-3 parameter offload to CPU, and a second run that resumes from the first
+run's ``checkpoint-2``. Every case trains the same tiny GPT-2 (built from
 a config, saved once, loaded with ``from_pretrained``: under stage 3 through ``zero.Init``) for
 one epoch of 5 micro-batches with accumulation 2 (windows of 2, 2 and a short 1), evaluates,
 and saves the model. Results go to WORKDIR/CASE.json; at the end every saved model is
@@ -65,10 +66,16 @@ def make_model_dir(work: Path) -> Path:
     return path
 
 
-def ds_config(stage: int, optimizer_from_config: bool, offload: bool) -> dict:
+def ds_config(
+    stage: int, optimizer_from_config: bool, offload: str | None, offload_param: bool = False, nvme_path: str = ""
+) -> dict:
     zero: dict = {"stage": stage}
-    if offload:
+    if offload == "cpu":
         zero["offload_optimizer"] = {"device": "cpu"}
+    elif offload == "nvme":
+        zero["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme_path}
+    if offload_param:
+        zero["offload_param"] = {"device": "cpu"}
     if stage == 3:
         zero["stage3_gather_16bit_weights_on_model_save"] = True
         zero["stage3_param_persistence_threshold"] = "auto"
@@ -112,7 +119,8 @@ def run(work: Path, case: str) -> dict:
         os.environ.update(LOCAL_RANK="0", RANK="0", WORLD_SIZE="1")
     elif case != "plain":
         stage = int(parts[0][1:])
-        deepspeed = ds_config(stage, parts[1] == "cfg", "cpu" in parts)
+        offload = "cpu" if "cpu" in parts else "nvme" if "nvme" in parts else None
+        deepspeed = ds_config(stage, parts[1] == "cfg", offload, "param" in parts, str(work / "nvme"))
         os.environ.update(LOCAL_RANK="0", RANK="0", WORLD_SIZE="1")
     else:
         for name in ("LOCAL_RANK", "RANK", "WORLD_SIZE"):

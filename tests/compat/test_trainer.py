@@ -1,6 +1,7 @@
 """Hugging Face Trainer with `--deepspeed` through the layer, one process (multi-process
-Trainer on CPU cannot take accelerate's DeepSpeed path): stages 0-3 x optimizer from the
-Trainer or the config x CPU optimizer offload, against a plain Trainer run with the same seed
+Trainer on CPU cannot take accelerate's DeepSpeed path): the article's config, stages 0-3 x
+optimizer from the Trainer or the config x optimizer offload (CPU, NVMe) and stage-3 parameter
+offload, against a plain Trainer run with the same seed
 and accumulation (2, with a short last window). All cases share one worker process
 (_trainer_worker.py; importing transformers is the expensive part)."""
 
@@ -12,7 +13,10 @@ import pytest
 
 from ._run import run
 
-CASES = ["plain", "article", "s0-hf", "s1-hf", "s2-cfg", "s2-hf-cpu", "s3-hf-resume", "s3-cfg-cpu"]
+CASES = [
+    "plain", "article", "s0-hf", "s1-hf", "s1-cfg-cpu", "s2-cfg", "s2-hf-cpu", "s2-cfg-nvme",
+    "s3-hf-resume", "s3-cfg-cpu", "s3-hf-cpu-param",
+]
 
 
 @pytest.fixture(scope="module")
@@ -39,12 +43,14 @@ def test_loss_and_grad_norm_match_plain_trainer(results: dict, case: str) -> Non
 
 def test_offload_maps_the_trainer_optimizer_to_cpu_adam(results: dict) -> None:
     assert results["s2-hf-cpu"]["optimizer"] == "DeepSpeedCPUAdam"  # accelerate's mapping
+    assert results["s3-hf-cpu-param"]["optimizer"] == "DeepSpeedCPUAdam"
     assert results["s3-cfg-cpu"]["optimizer"] == "AdamW"
 
 
 def test_zero3_from_pretrained_is_partitioned(results: dict) -> None:
     assert results["s3-hf-resume"]["partitioned_at_load"] is True
     assert results["s3-cfg-cpu"]["partitioned_at_load"] is True
+    assert results["s3-hf-cpu-param"]["partitioned_at_load"] is True
 
 
 def test_resume_from_deepspeed_checkpoint(results: dict) -> None:
@@ -57,8 +63,11 @@ def test_resume_from_deepspeed_checkpoint(results: dict) -> None:
 def test_saved_models_reload_with_from_pretrained(results: dict) -> None:
     for case in CASES:
         assert "model.safetensors" in results[case]["final_files"], case
-        assert results["reload"]["plain"][case] < 1e-6, case
-        assert results["reload"]["s0-hf"][case] < 1e-6, case  # stage-3 weights equal stage-0's
+        # fp32 AdamW over zerorun's flat shards vs per-parameter tensors: rounding only (~1e-6
+        # with the config's single group, ~4e-9 with the Trainer's groups).
+        assert results["reload"]["plain"][case] < 5e-6, case
+        assert results["reload"]["s0-hf"][case] < 5e-6, case  # stage-3 weights equal stage-0's
+    assert results["reload"]["s0-hf"]["s3-hf-resume"] < 1e-7
 
 
 def test_transformers_and_accelerate_stay_inside_the_surface(results: dict) -> None:
