@@ -24,6 +24,7 @@ files (``_prepare_storage``).
 from __future__ import annotations
 
 import atexit
+import ctypes
 import errno
 import os
 import shutil
@@ -97,7 +98,8 @@ class TileFiles:
         with open(path, "wb") as f:
             f.truncate(padded * 4)  # sparse zeros
             if init is not None:
-                f.write(init.detach().to(torch.float32).contiguous().numpy().tobytes())
+                data = init.detach().to(torch.float32).contiguous()
+                f.write(memoryview((ctypes.c_char * (data.numel() * 4)).from_address(data.data_ptr())))
         self.nbytes += padded * 4
         mapped = torch.from_file(str(path), shared=True, size=padded, dtype=torch.float32)
         self._maps[name] = mapped
@@ -144,7 +146,9 @@ class TileFiles:
         self._io(os.pwritev, name, start, buf)
 
     def _io(self, op: Callable[..., int], name: str, start: int, buf: torch.Tensor) -> None:
-        view = memoryview(buf.numpy()).cast("B")
+        # The tensor's bytes as a writable buffer for preadv/pwritev (no numpy needed; ``buf``
+        # stays alive for the call).
+        view = memoryview((ctypes.c_char * (buf.numel() * buf.element_size())).from_address(buf.data_ptr())).cast("B")
         offset = start * 4
         try:
             done = op(self._fds[name], [view], offset)
