@@ -12,7 +12,7 @@ from ._run import run
 
 def test_accumulation_protocols_and_refusals(tmp_path: Path) -> None:
     out = tmp_path / "engine.json"
-    run(["tests/compat/_engine_worker.py", str(out)], timeout=240)
+    run(["tests/compat/_engine_worker.py", str(out)], timeout=240, CUDA_VISIBLE_DEVICES="")  # CPU reference
     got = json.loads(out.read_text())
     refusals = got.pop("refusals")
     assert set(got) == {f"explicit_s{s}" for s in range(4)} | {"script_s1", "script_s3", "no_sync_s1"}
