@@ -11,13 +11,13 @@ import pytest
 import torch
 
 from zerorun.compat.deepspeed import add_config_arguments
-from zerorun.compat.deepspeed.checkpoint.utils import clone_tensors_for_torch_save
-from zerorun.compat.deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
-from zerorun.compat.deepspeed.runtime.engine import (
+from zerorun.compat.deepspeed._initialize import (
     _config_dict,
     _runtime_view,
     check_not_accelerate_on_cpu_ranks,
 )
+from zerorun.compat.deepspeed.checkpoint.utils import clone_tensors_for_torch_save
+from zerorun.compat.deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
 from zerorun.compat.deepspeed.runtime.lr_schedules import VALID_LR_SCHEDULES
 from zerorun.errors import RuntimeConfigError
 

@@ -49,8 +49,10 @@ def __getattr__(name: str) -> Any:
         return importlib.import_module(f"{__name__}.{name}")
     if name == "zero":
         return importlib.import_module(f"{__name__}.runtime.zero")
-    if name in ("initialize", "DeepSpeedEngine"):
-        return getattr(importlib.import_module(f"{__name__}.runtime.engine"), name)
+    if name == "initialize":
+        return importlib.import_module(f"{__name__}._initialize").initialize
+    if name == "DeepSpeedEngine":
+        return importlib.import_module(f"{__name__}.runtime.engine").DeepSpeedEngine
     return _missing(name)
 
 

@@ -1,10 +1,8 @@
-"""``deepspeed.initialize`` and ``DeepSpeedEngine``: DeepSpeed's engine surface over zerorun's.
+"""``DeepSpeedEngine``: DeepSpeed's engine surface over a zerorun ``Engine``.
 
-``initialize`` resolves DeepSpeed's ways of passing a config (``config``, ``config_params``,
-``args.deepspeed_config``, or the launcher's), calls ``zerorun.initialize`` and wraps the
-zerorun ``Engine`` in a ``DeepSpeedEngine``: an ``nn.Module`` holding the model as ``.module``,
-as DeepSpeed's engine is (accelerate unwraps it with ``isinstance`` + ``.module``, and walks
-``_modules``).
+An ``nn.Module`` holding the model as ``.module``, as DeepSpeed's engine is (accelerate unwraps
+it with ``isinstance`` + ``.module``, and walks ``_modules``); ``deepspeed.initialize``
+(_initialize.py) builds it.
 
 Gradient accumulation. A DeepSpeed script calls ``backward`` then ``step`` for every
 micro-batch and the engine finds the boundary by counting. accelerate instead announces it --
@@ -20,11 +18,9 @@ accumulation steps) skips the 1/gas factor.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 from collections import OrderedDict
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -33,123 +29,7 @@ from torch import nn
 from zerorun.compat.deepspeed._surface import missing, unsupported
 from zerorun.errors import RuntimeConfigError
 
-__all__ = ["DeepSpeedEngine", "initialize"]
-
-
-def _config_dict(args: Any, config: Any, config_params: Any) -> dict[str, Any]:
-    """The config as DeepSpeed users pass it -> a plain dict (``engine.config``)."""
-    given = config if config is not None else config_params
-    from_args = None
-    if args is not None:
-        from_args = getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None)
-    if given is not None and from_args is not None:
-        raise RuntimeConfigError(
-            "deepspeed.initialize got a config twice: args.deepspeed_config and config=...; pass one "
-            "(DeepSpeed refuses this too)"
-        )
-    source = given if given is not None else from_args
-    if source is None:
-        text = os.environ.get("ZERORUN_CONFIG_JSON")
-        if text:
-            return dict(json.loads(text))
-        source = os.environ.get("ZERORUN_CONFIG")
-    if source is None:
-        raise RuntimeConfigError(
-            "deepspeed.initialize has no config: pass config=PATH_OR_DICT, args with --deepspeed_config, or "
-            "give the script's --deepspeed/--deepspeed_config argument to zerorun"
-        )
-    if isinstance(source, dict):
-        return source
-    from zerorun.config import load_config
-
-    if isinstance(source, (str, Path)):
-        return load_config(source).config.to_dict()
-    return getattr(source, "config", source).to_dict()
-
-
-def _runtime_view(cfg: dict[str, Any]) -> dict[str, Any]:
-    """The config zerorun's runtime gets. accelerate writes ``steps_per_print: inf`` to keep
-    DeepSpeed from printing to stdout; zerorun prints nothing there (its status lines are
-    events to the launcher), so the key is dropped rather than refused as not a count."""
-    if isinstance(cfg.get("steps_per_print"), float) and cfg["steps_per_print"] == float("inf"):
-        cfg = {k: v for k, v in cfg.items() if k != "steps_per_print"}
-    return cfg
-
-
-def _elementwise_standin(optimizer: Any) -> bool:
-    """Optimizers of this layer (deepspeed.ops.adam) are torch Adam with DeepSpeed's
-    constructor: elementwise, though not torch's own class."""
-    from zerorun.compat.deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
-
-    return type(optimizer) in (DeepSpeedCPUAdam, FusedAdam)
-
-
-def check_not_accelerate_on_cpu_ranks(env: dict[str, str], world_size: int, cuda: bool) -> None:
-    """accelerate takes its DeepSpeed path on CPU but counts one process there whatever the
-    world size (it only knows GPU backends for it): batch sizes and data sharding would be
-    wrong. Say so instead of failing later on a batch-size mismatch."""
-    if env.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true" and world_size > 1 and not cuda:
-        raise RuntimeConfigError(
-            f"Hugging Face Trainer/accelerate with DeepSpeed on {world_size} CPU ranks: accelerate counts one "
-            "process on CPU (its DeepSpeed path needs GPUs), so batch sizes and data sharding would be wrong. "
-            "Run one CPU rank (--num_gpus 1), or run on GPUs (several ranks may share one: --ranks_per_gpu)."
-        )
-
-
-def _evaluation_only_optimizer(groups: Any) -> torch.optim.Optimizer:
-    # zerorun's engine always has an optimizer; DeepSpeed's may have none (ZeRO-3 inference,
-    # Trainer.evaluate before train). SGD without momentum keeps no state; the engine wrapper
-    # refuses backward/step, so it never runs.
-    return torch.optim.SGD(groups, lr=0.0)
-
-
-def initialize(
-    args: Any = None,
-    model: nn.Module | None = None,
-    optimizer: Any = None,
-    model_parameters: Any = None,
-    training_data: Any = None,
-    lr_scheduler: Any = None,
-    distributed_port: int | None = None,
-    mpu: Any = None,
-    dist_init_required: bool | None = None,
-    collate_fn: Any = None,
-    config: Any = None,
-    mesh_param: Any = None,
-    config_params: Any = None,
-) -> tuple[DeepSpeedEngine, Any, Any, Any]:
-    """``deepspeed.initialize``: returns ``(engine, optimizer, training_dataloader, lr_scheduler)``."""
-    del distributed_port, dist_init_required
-    if mesh_param is not None:
-        unsupported("deepspeed.initialize(mesh_param=...)", "device meshes (sequence/tensor parallelism) are not supported")
-    import zerorun
-
-    cfg = _config_dict(args, config, config_params)
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        device = os.environ.get("ZERORUN_DEVICE")
-        cuda = device == "cuda" or (device is None and torch.cuda.is_available())
-        check_not_accelerate_on_cpu_ranks(dict(os.environ), torch.distributed.get_world_size(), cuda)
-    runtime_cfg = _runtime_view(cfg)
-    if optimizer is not None and _elementwise_standin(optimizer):
-        runtime_cfg = dict(runtime_cfg, zero_allow_untested_optimizer=True)
-    from zerorun.compat.deepspeed.runtime.zero.partition_parameters import deepspeed_state_dict_semantics
-
-    deepspeed_state_dict_semantics()
-    evaluation_only = optimizer is None and not cfg.get("optimizer")
-    if evaluation_only:
-        optimizer = _evaluation_only_optimizer
-    engine, opt, loader, sched = zerorun.initialize(
-        model=model,
-        optimizer=optimizer,
-        model_parameters=model_parameters,
-        training_data=training_data,
-        lr_scheduler=lr_scheduler,
-        mpu=mpu,
-        collate_fn=collate_fn,
-        config=runtime_cfg,
-    )
-    ds_engine = DeepSpeedEngine(engine, cfg, training_dataloader=loader, evaluation_only=evaluation_only)
-    return ds_engine, (None if evaluation_only else opt), loader, sched
+__all__ = ["DeepSpeedEngine"]
 
 
 class DeepSpeedEngine(nn.Module):
