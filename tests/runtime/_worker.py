@@ -128,6 +128,8 @@ def run_case(case: _cases.Case, rank: int, world: int) -> dict | None:
         "shard_numel": shard_numel,
         "trainable_numel": sum(layout.numel for layout in engine.stage.layouts),
         "padded_numel": sum(layout.padded_numel for layout in engine.stage.layouts),
+        "grads_at_rest": sum(m["grads"] for m in memory.values()),
+        "step_parts": len(engine.stage._parts or []),
     }
     gathered = [None] * world
     dist.all_gather_object(gathered, result)

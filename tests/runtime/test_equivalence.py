@@ -185,6 +185,23 @@ def test_memory_matches_estimate(results, world: int) -> None:  # noqa: ANN001
                 )
 
 
+@pytest.mark.parametrize("world", WORLDS, ids=[f"w{w}" for w in WORLDS])
+def test_gradient_memory_freed_and_step_pipelined(results, world: int) -> None:  # noqa: ANN001
+    """Gradient memory exists only from the step's first reduction to the optimizer step, and
+    with several ranks the step of stages 1-2 runs in parts (each part's all-gather overlapping
+    the optimizer on the next) -- the equivalence above holds with both."""
+    for name, r in results(world).items():
+        if name.startswith("_"):
+            continue
+        case = next(c for c in matrix(world) if c.name == name)
+        for x in r["ranks"]:
+            assert x["grads_at_rest"] == 0, (name, x["memory"])
+            if world > 1 and case.stage > 0 and x["n_buckets"] > 1:
+                assert x["step_parts"] > 1, name
+            else:
+                assert x["step_parts"] == 1, name
+
+
 def test_bucket_plan_is_the_same_on_every_rank_w4(results) -> None:  # noqa: ANN001
     for name, r in results(4).items():
         if not name.startswith("_"):
