@@ -280,6 +280,18 @@ def run_gathered(rank: int, world: int) -> dict:
     masters = gather_masters(engine)
     master_ok = bool((masters["blocks.2.fc1.weight"] == 0.25).all())
     other_ok = bool(torch.equal(masters["blocks.2.fc2.weight"], M.make_model(seed).blocks[2].fc2.weight))
+    # GatheredParameters inside a group's own forward (already gathered) leaves it gathered.
+    def peek(mod, _args):  # noqa: ANN001, ANN202
+        with zerorun.zero.GatheredParameters(mod.fc1.weight):
+            pass
+
+    handle = engine.module.blocks[1].register_forward_pre_hook(peek)
+    ids, tgt = M.batch(seed, 0, 0, rank, MICRO)
+    loss = engine(ids.to(engine.device), tgt.to(engine.device))
+    engine.backward(loss)
+    engine.step()
+    handle.remove()
+    inside_forward_ok = bool(torch.isfinite(loss).item())
     # Mistakes get clear errors naming the key / file.
     errors = []
     bad = M.make_model(seed).state_dict()
@@ -303,6 +315,7 @@ def run_gathered(rank: int, world: int) -> dict:
     return {
         "errors": errors,
         "init_modified": init_modified,
+        "inside_forward_ok": inside_forward_ok,
         "released_shape": list(released_shape),
         "read_ok": read_ok,
         "discarded": discarded,

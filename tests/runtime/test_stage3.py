@@ -167,6 +167,7 @@ def test_gathered_parameters(results, world: int) -> None:  # noqa: ANN001
             x["read_ok"] and x["discarded"] and x["modified"] and x["master_ok"] and x["other_master_exact"]
         ), x
         assert x["init_modified"], "GatheredParameters(modifier_rank=0) on a zero.Init model"
+        assert x["inside_forward_ok"]
         assert x["errors"] == [True, True], "load_state_dict / load_pretrained mistakes need clear messages"
 
 

@@ -131,6 +131,8 @@ class GatheredParameters:
     def __enter__(self) -> GatheredParameters:
         if not self.enabled:
             return self
+        # Groups already gathered (inside their forward, or kept) stay as they were on exit.
+        self._was_gathered = {id(g) for g in self.groups if g.state != 0}
         for g in self.groups:
             g.holds += 1
             g.wait()
@@ -151,7 +153,7 @@ class GatheredParameters:
         finally:
             for g in self.groups:
                 g.holds -= 1
-                if g.holds == 0:
+                if g.holds == 0 and id(g) not in self._was_gathered:
                     g.release()
             for p in self.inits:
                 p.data = _init(p).placeholder
