@@ -110,11 +110,17 @@ def reference(
     model: nn.Module, case: oc.OCase, world: int, seed: int, scales: list[float] | None, device: torch.device
 ) -> dict:
     """Plain PyTorch on the global batch, the runtime's mixed-precision recipe, and -- for the
-    delayed update -- gradients of step t computed on the parameters before update t-1. Runs
-    on the training device (the same matmul kernels as the ranks)."""
+    delayed update -- gradients of step t computed on the parameters before update t-1. The
+    forward/backward runs on the training device (the same matmul kernels as the ranks); the
+    optimizer runs where the runtime's does: with optimizer offload on the CPU (fused CPU Adam),
+    else on the device. (On CUDA the fused GPU and CPU AdamW kernels differ in the last fp32 bit;
+    in bf16 that can flip a compute weight, which later steps carry -- seen on an H200 at stage 3:
+    2.6e-4 master error against a 2e-4 bound, a grad norm 1.3e-5 off.)"""
     dtype = DTYPES[case.dtype]
-    master = model.to(device)
-    compute = copy.deepcopy(master).to(dtype) if (dtype != torch.float32 or case.delayed) else master
+    opt_device = torch.device("cpu") if case.device != "none" else torch.device(device)
+    master = model.to(opt_device)
+    separate = dtype != torch.float32 or case.delayed or opt_device != torch.device(device)
+    compute = copy.deepcopy(master).to(device, dtype) if separate else master
     m_params = [p for p in master.parameters() if p.requires_grad]
     c_params = [p for p in compute.parameters() if p.requires_grad]
     opt = OPTIMIZERS[case.optim][1](m_params)
@@ -122,10 +128,10 @@ def reference(
     losses, norms, taken = [], [], 0
     for step in range(case.steps):
         scale = scales[step] if scales else 1.0
-        total = [torch.zeros_like(p, dtype=torch.float32) for p in m_params]
+        total = [torch.zeros_like(p, dtype=torch.float32) for p in c_params]
         step_losses = [[0.0] * world for _ in range(case.accum)]
         for rank in range(world):
-            acc = [torch.zeros_like(p, dtype=torch.float32) for p in m_params]
+            acc = [torch.zeros_like(p, dtype=torch.float32) for p in c_params]
             for micro in range(case.accum):
                 ids, tgt = _models.batch(seed, step, micro, rank, oc.MICRO_BATCH)
                 loss = compute(ids.to(device), tgt.to(device))
@@ -146,9 +152,10 @@ def reference(
             continue
         coef = torch.clamp(torch.tensor(case.clip) / (norm + 1e-6), max=1.0) if case.clip > 0 else None
         for p, t in zip(m_params, total, strict=True):
-            p.grad = t / scale if scale != 1.0 else t
+            g = t / scale if scale != 1.0 else t
             if coef is not None:
-                p.grad.mul_(coef)
+                g.mul_(coef)
+            p.grad = g.to(opt_device)
         delayed_now = case.delayed and taken >= case.warmup
         before = [p.detach().clone() for p in m_params] if delayed_now else None
         opt.step()
