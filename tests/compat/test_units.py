@@ -126,3 +126,21 @@ def test_launcher_switch_sets_the_variable_and_local_rank(tmp_path: Path) -> Non
     cfg.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "launcher": {"deepspeed_compat": True}}))
     from_config = _dry_run("examples/toy.py", "--deepspeed", str(cfg))
     assert "ZERORUN_DEEPSPEED_COMPAT=1" in from_config and "--local_rank=0" in from_config
+
+
+def test_the_switch_reaches_remote_nodes_through_the_wire() -> None:
+    """Remote node agents rebuild the plan from the wire: the variable and --local_rank survive."""
+    from zerorun.launch import wire
+    from zerorun.launch.hosts import parse_hostfile_text
+    from zerorun.launch.local import DeviceInfo
+    from zerorun.launch.plan import LaunchOptions, Target, build_plan
+
+    opts = LaunchOptions(target=Target(script="train.py"), device="cpu", deepspeed_compat=True)
+    plan = build_plan(
+        opts, parse_hostfile_text("n1 slots=1\nn2 slots=1\n"), DeviceInfo(gpus=(), cores=2),
+        master_port=29500, run_id="r1", local_rank_arg="--local_rank",
+    )
+    again = wire.plan_from_dict(wire.decode(wire.encode("plan", plan=wire.plan_to_dict(plan)))["plan"])
+    remote = again.nodes[1].ranks[0]
+    assert again.rank_env(remote)["ZERORUN_DEEPSPEED_COMPAT"] == "1"
+    assert again.rank_argv(remote, "python")[-1] == "--local_rank=0"
