@@ -171,6 +171,7 @@ def _throughput(
         "gpu_memory": device_memory(ctx.device),
         "host_rss_peak_bytes": host_rss_peak_bytes(),
         "engine_memory": trainer.memory_report(),
+        "offload_profile": getattr(trainer, "offload_profile", lambda: None)(),
     }
     ranks = gather_objects(ctx, mine)
     if not ctx.is_main:
@@ -209,6 +210,7 @@ def _throughput(
         per_rank_gpu_memory=[r["gpu_memory"] for r in ranks],
         per_rank_host_rss_peak_bytes=[r["host_rss_peak_bytes"] for r in ranks],
         engine_memory=ranks[0]["engine_memory"],
+        offload_profile=ranks[0]["offload_profile"],  # rank 0's last step (seconds by phase)
         profile_top_ops=profile_table,  # rank 0's; steps after the timed ones, not in the losses
     )
     return record

@@ -37,6 +37,13 @@ class ZerorunTrainer:
             return None
         return to_jsonable(summary())
 
+    def offload_profile(self) -> dict[str, float] | None:
+        """Where the last step's offload time went (docs/offload.md: gradient/io waits, CPU
+        Adam, staging, training-thread wait), in seconds; None without an offload placement."""
+        state = getattr(getattr(self.engine, "stage", None), "state", None)
+        profile = getattr(getattr(state, "placement", None), "last_profile", None)
+        return {str(k): float(v) for k, v in profile.items()} if profile else None
+
 
 def to_jsonable(value: Any) -> Any:
     """Dicts/lists/numbers as they are; dataclasses and objects via their fields; tensors as
