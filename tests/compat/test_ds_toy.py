@@ -79,3 +79,19 @@ def test_toy_script_unchanged_on_two_ranks(tmp_path: Path) -> None:
     ckpt = out / "checkpoint"
     assert (ckpt / "latest").read_text().strip() == "global_step8"  # 2 epochs x 8 micro-batches / 2
     assert (ckpt / "global_step8").is_dir()
+    # DeepSpeed's after-training helpers read it (what zero_to_fp32.py users call).
+    from safetensors.torch import load_file
+
+    from zerorun.compat.deepspeed.utils.zero_to_fp32 import (
+        convert_zero_checkpoint_to_fp32_state_dict,
+        get_fp32_state_dict_from_zero_checkpoint,
+        load_state_dict_from_zero_checkpoint,
+    )
+
+    fp32 = get_fp32_state_dict_from_zero_checkpoint(ckpt)
+    convert_zero_checkpoint_to_fp32_state_dict(ckpt, tmp_path / "hf", safe_serialization=True)
+    exported = load_file(tmp_path / "hf" / "model.safetensors")
+    loaded = load_state_dict_from_zero_checkpoint(_toy_module().ToyModel(64, 2), ckpt).state_dict()
+    for name, value in state.items():
+        for got in (fp32[name], exported[name], loaded[name]):
+            torch.testing.assert_close(got, value, rtol=1e-5, atol=1e-5, msg=name)
