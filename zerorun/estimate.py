@@ -51,6 +51,7 @@ Offload = Literal["none", "cpu", "nvme"]
 # Gradient staging buffers alive at once from stage 2 on (runtime/grad_reduce.py: max_inflight
 # collectives outstanding + the buffer being filled).
 _REDUCE_STAGING = 3
+_MAX_FLAT_NUMEL = 50_000_000  # runtime/stages.py MAX_FLAT_NUMEL (estimate imports no torch)
 
 # Optimizer state bytes per trainable element (fp32 states), by lower-case optimizer name.
 _OPTIMIZER_STATE_BYTES: dict[str, int] = {
@@ -322,6 +323,10 @@ def _buffers(
     # them alive (runtime/grad_reduce.py: 2 in flight + the one being filled). A bucket holds
     # whole parameters, so it is at least the largest parameter: --largest-layer bounds that.
     if stage >= 2:
+        if stage == 2:
+            # Stages 0-2 cap a flat buffer at 5e7 elements whatever reduce_bucket_size says
+            # (runtime/stages.py MAX_FLAT_NUMEL: earlier reduce-scatters, bounded staging).
+            reduce = min(reduce, _MAX_FLAT_NUMEL)
         bucket = min(max(reduce, largest_layer or 0), psi)
         # One bucket when the model fits in one; otherwise parameters larger than the bucket
         # make more buckets than Ψ / bucket, so count the full three.
