@@ -74,6 +74,7 @@ def test_schedule_predicts_from_the_previous_pass() -> None:
     class G:
         def __init__(self, i: int) -> None:
             self.index, self.numel, self.resident, self.state = i, 10, False, 0
+            self.prefetch_pays = True
 
         @property
         def live(self) -> bool:

@@ -80,6 +80,11 @@ class ParamGroup:
         # are plain copies.
         self.trivial = bool(getattr(comm, "trivial", self.world == 1))
         self.rest_dtype = param_dtype if (persistent or rest_dtype is None) else rest_dtype
+        # Prefetching overlaps a collective or a host->device copy with compute. With one rank
+        # and the shard on the device, "gathering" is a cast-copy on the compute stream: nothing
+        # to overlap, so a prefetched group would only hold memory earlier (a whole block at
+        # the activation peak).
+        self.prefetch_pays = not (self.trivial and store.resident)
         self.resident = persistent or (self.world == 1 and store.resident and self.rest_dtype == param_dtype)
         self.numel = sum(layout.padded_numel for layout in self.layouts)
         self.state = RELEASED

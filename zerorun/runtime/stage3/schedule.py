@@ -104,7 +104,7 @@ class Schedule:
             self.peak_live_numel = live
 
     def prefetch(self, current: ParamGroup, upcoming: Sequence[int]) -> None:
-        if self.prefetch_numel <= 0:
+        if self.prefetch_numel <= 0 or not current.prefetch_pays:
             return
         ahead = 0
         seen = {current.index}
