@@ -55,6 +55,18 @@ for name, p in params:
             diffs[name] = (p.detach().float() - reference[key].float()).abs().max().item()
 
 engine, *_ = deepspeed.initialize(model=model, config=config)
+# What Trainer.save_model gets at ZeRO-3: the full weights on rank 0, nothing elsewhere.
+consolidated = engine._zero3_consolidated_16bit_state_dict()
+if consolidated is None:
+    consolidated_diff = None
+else:
+    ref_key = {k: k if k in reference else k.removeprefix("transformer.") for k in consolidated}
+    consolidated_diff = max(
+        (consolidated[k].float() - reference[ref_key[k]].float()).abs().max().item()
+        for k in consolidated
+        if ref_key[k] in reference
+    )
+    consolidated_keys = sorted(consolidated) == sorted(model.state_dict())
 torch.manual_seed(0)
 ids = torch.randint(0, 128, (2, 16))
 engine.eval()
@@ -80,6 +92,8 @@ with open(os.path.join(args.out, f"rank{rank}.json"), "w") as fh:
             "compared": len(diffs),
             "num_params": len(params),
             "logits_diff": (logits.float() - expected.float()).abs().max().item(),
+            "consolidated_diff": consolidated_diff,
+            "consolidated_keys": consolidated_keys if consolidated is not None else None,
         },
         fh,
     )

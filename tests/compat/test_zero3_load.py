@@ -38,3 +38,7 @@ def test_zero3_from_pretrained_on_two_ranks(tmp_path: Path) -> None:
         assert got["compared"] == got["num_params"]
         assert got["max_weight_diff"] == 0.0
         assert got["logits_diff"] < 1e-5
+        if rank == 0:  # Trainer.save_model's state dict at ZeRO-3: whole, exact, on rank 0 only
+            assert got["consolidated_diff"] == 0.0 and got["consolidated_keys"] is True
+        else:
+            assert got["consolidated_diff"] is None

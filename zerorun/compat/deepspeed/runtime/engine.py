@@ -297,20 +297,42 @@ class DeepSpeedEngine(nn.Module):
 
     def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict[str, Any] | None:
         """The full weights in the compute dtype on rank 0 (None elsewhere, as DeepSpeed).
-        Collective: the stage-3 ``state_dict`` gathers one parameter at a time."""
+
+        Collective. Module by module (DeepSpeed's order of work): the module's own parameters
+        are gathered, rank 0 keeps a CPU copy, the others keep nothing -- so only rank 0 ever
+        holds the whole model. Tied parameters are copied once, under every name."""
         if self._engine.settings.stage != 3:
             raise ValueError("this function requires ZeRO-3 mode")
-        from zerorun.runtime.stage3.model_io import set_full_state_dict
+        from zerorun.zero import GatheredParameters
 
-        previous = set_full_state_dict(True)
-        try:
-            state = self.module.state_dict()
-        finally:
-            set_full_state_dict(previous)
+        rank0 = self.global_rank == 0
+        copies: dict[int, torch.Tensor] = {}
+        seen: set[int] = set()  # the same on every rank: decides the collectives
+        values: dict[str, torch.Tensor] = {}
+        for prefix, module in self.module.named_modules():
+            own = [(name, p) for name, p in module._parameters.items() if p is not None]
+            todo = [p for _, p in own if id(p) not in seen]
+            seen.update(id(p) for p in todo)
+            if todo:
+                with GatheredParameters(todo, modifier_rank=None):
+                    if rank0:
+                        for p in todo:
+                            copies[id(p)] = p.data.detach().to("cpu", copy=True)
+            if rank0:
+                for name, p in own:
+                    values[f"{prefix}.{name}" if prefix else name] = copies[id(p)]
+        if not rank0:
+            return None
+        frozen = set()
         if exclude_frozen_parameters:
-            frozen = {n for n, p in self.module.named_parameters() if not p.requires_grad}
-            state = OrderedDict((k, v) for k, v in state.items() if k not in frozen)
-        return state if self.global_rank == 0 else None
+            frozen = {n for n, p in self.module.named_parameters(remove_duplicate=False) if not p.requires_grad}
+        state: dict[str, Any] = OrderedDict()
+        # Keys and order of state_dict(); buffers are never partitioned.
+        for key, value in self.module.state_dict(keep_vars=True).items():
+            if key in frozen:
+                continue
+            state[key] = values[key] if key in values else value.detach().to("cpu", copy=True)
+        return state
 
     def destroy(self) -> None:
         self._engine.destroy()
