@@ -93,6 +93,12 @@ def main(argv: list[str] | None = None) -> None:
             traceback="".join(traceback.format_exception(type(exc), exc, tb))[-_MAX_TRACEBACK:],
         )
         sys.excepthook(type(exc), exc, tb)
+        if isinstance(exc, ModuleNotFoundError) and (exc.name or "").split(".")[0] == "deepspeed":
+            # The likeliest first mistake of a DeepSpeed user (Contract 8).
+            sys.stderr.write(
+                "zerorun: this script imports deepspeed: launch it with `zerorun --deepspeed-compat ...` to "
+                "run it on zerorun's DeepSpeed compatibility layer (no DeepSpeed install needed)\n"
+            )
         sys.exit(1)
     finally:
         if events.connected():

@@ -144,3 +144,18 @@ def test_the_switch_reaches_remote_nodes_through_the_wire() -> None:
     remote = again.nodes[1].ranks[0]
     assert again.rank_env(remote)["ZERORUN_DEEPSPEED_COMPAT"] == "1"
     assert again.rank_argv(remote, "python")[-1] == "--local_rank=0"
+
+
+def test_forgetting_the_switch_says_how_to_run_it(tmp_path: Path) -> None:
+    import subprocess
+
+    from ._run import PYTHON, ROOT, env
+
+    script = tmp_path / "train.py"
+    script.write_text("import deepspeed\n")
+    proc = subprocess.run(
+        [PYTHON, "-m", "zerorun", "--num_gpus", "1", "--device", "cpu", str(script)],
+        cwd=ROOT, env=env(), capture_output=True, text=True, timeout=60,
+    )
+    assert proc.returncode == 1
+    assert "launch it with `zerorun --deepspeed-compat ...`" in proc.stdout + proc.stderr
