@@ -1,28 +1,34 @@
 """What zerorun should keep on each GPU: the ZeRO formulas of docs/architecture.md Contract 4.
 
-Ψ = trainable parameters, N = data-parallel ranks. Mixed precision (bf16/fp16) with AdamW:
+The formulas are `zerorun.estimate`'s (one memory model, one place); this module adapts them
+to the benchmark's records. Ψ = trainable parameters, N = data-parallel ranks. Mixed precision
+(bf16/fp16) with AdamW, after the backward (gradients alive):
 
-| stage | 16-bit params | gradients (fp32 default) | fp32 master | AdamW m, v |
-|-------|---------------|--------------------------|-------------|------------|
-| 0     | 2Ψ            | 4Ψ                       | 4Ψ          | 8Ψ         |
-| 1     | 2Ψ            | 4Ψ                       | 4Ψ/N        | 8Ψ/N       |
-| 2     | 2Ψ            | 4Ψ/N                     | 4Ψ/N        | 8Ψ/N       |
-| 3     | 2Ψ/N          | 4Ψ/N                     | 4Ψ/N        | 8Ψ/N       |
+| stage | 16-bit params | gradients (fp32 default) | fp32 master | AdamW m, v | between steps |
+|-------|---------------|--------------------------|-------------|------------|---------------|
+| 0     | 2Ψ            | 4Ψ                       | 4Ψ          | 8Ψ         | 14Ψ           |
+| 1     | 2Ψ            | 4Ψ                       | 4Ψ/N        | 8Ψ/N       | 2Ψ + 12Ψ/N    |
+| 2     | 2Ψ            | 4Ψ/N                     | 4Ψ/N        | 8Ψ/N       | 2Ψ + 12Ψ/N    |
+| 3     | 0 (the master slice is the parameter) | 4Ψ/N | 4Ψ/N     | 8Ψ/N       | 12Ψ/N         |
 
-(`communication_data_type: bf16` makes the gradient term 2 bytes: the paper's 2Ψ + 2Ψ + 12Ψ/N.)
-Offload moves terms to the host, as DeepSpeed's estimators count it: `offload_optimizer` moves
-master weights and optimizer states, and at stages 2–3 the gradient slices too (they are
-copied to the host as they are reduced); `offload_param` (stage 3) moves the 16-bit slices.
+(`communication_data_type: bf16` makes the GPU gradient term 2 bytes.) `offload_optimizer`
+moves master weights and optimizer states to the host and adds the CPU step's fp32 host copy of
+the gradient slices (the GPU keeps its gradients until the step); `offload_param` (stage 3)
+moves the 16-bit slices, which exist with any offload.
 
-Buffers are a separate term: `config_buffer_bytes` is the most the config lets zerorun hold
-(an upper bound, the buckets may be transient); the check uses the buffers zerorun reports
-(`reported_buffer_bytes`), while the measured side always comes from the allocator.
+The check is not circular: the estimator is arithmetic from the config, and the measured side
+always comes from the allocator (CUDA) or a census of live tensors (CPU), never from zerorun's
+own report. Buffers are a separate term: `config_buffer_bytes` is the most the config lets
+zerorun hold (an upper bound, the buckets may be transient); the check uses the buffers zerorun
+reports (`reported_buffer_bytes`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any
+
+from zerorun import estimate
 
 __all__ = [
     "model_state_bytes",
@@ -34,6 +40,8 @@ __all__ = [
 ]
 
 _DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2}
+# The benchmark's own names for the estimator's terms and devices.
+_TERMS = {"params": "params", "grads": "grads", "master": "master", "optimizer": "optimizer_states"}
 
 
 def model_state_bytes(
@@ -45,30 +53,31 @@ def model_state_bytes(
     offload_optimizer: bool = False,
     offload_param: bool = False,
 ) -> dict[str, dict[str, float]]:
-    """Model-state bytes per rank by term, {"gpu": {...}, "host": {...}}, mixed precision + AdamW."""
+    """Model-state bytes per rank, {"gpu": {...}, "host": {...}}, mixed precision + AdamW.
+
+    Each side has the four terms, "total" (after the backward: the checked point) and
+    "between_steps" (after the optimizer step: the GPU's gradients are freed).
+    """
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"stage must be 0..3, got {stage}")
     if n < 1 or psi < 0:
         raise ValueError("need n >= 1 and psi >= 0")
-    shard = float(psi) / n
-    params = 2.0 * (shard if stage == 3 else psi)
-    grads = grad_bytes * (shard if stage >= 2 else psi)
-    master = 4.0 * (shard if stage >= 1 else psi)
-    optim = 8.0 * (shard if stage >= 1 else psi)
-    gpu = {"params": params, "grads": grads, "master": master, "optimizer": optim}
-    host = {"params": 0.0, "grads": 0.0, "master": 0.0, "optimizer": 0.0}
-    moved = []
-    if offload_optimizer:
-        moved += ["master", "optimizer"] + (["grads"] if stage >= 2 else [])
-    if offload_param:
-        if stage != 3:
-            raise ValueError("offload_param needs stage 3")
-        moved.append("params")
-    for term in moved:
-        host[term], gpu[term] = gpu[term], 0.0
-    gpu["total"] = sum(gpu.values())
-    host["total"] = sum(host.values())
-    return {"gpu": gpu, "host": host}
+    if offload_param and stage != 3:
+        raise ValueError("offload_param needs stage 3")
+    bpe = estimate.BytesPerElement(2, grad_bytes, 4, 8, precision="bf16", optimizer="AdamW")
+    est = estimate.model_state_bytes(
+        psi,
+        n,
+        stage=stage,
+        offload_optimizer="cpu" if offload_optimizer and stage >= 1 else "none",
+        offload_param="cpu" if offload_param else "none",
+        bytes_per_element=bpe,
+    )
+    out: dict[str, dict[str, float]] = {}
+    for side, device in (("gpu", "gpu"), ("host", "cpu")):
+        terms = {mine: est.terms[device][theirs] for mine, theirs in _TERMS.items()}
+        out[side] = {**terms, "total": est.model_states(device), "between_steps": est.between_steps(device)}
+    return out
 
 
 def grad_bytes_of(ds_config: Mapping[str, Any]) -> int:
@@ -77,17 +86,10 @@ def grad_bytes_of(ds_config: Mapping[str, Any]) -> int:
     return _DTYPE_BYTES.get(name, 4)
 
 
-def config_buffer_bytes(ds_config: Mapping[str, Any]) -> dict[str, float]:
-    """Upper bound of the GPU buffers the config sizes (DeepSpeed's defaults where unset)."""
-    zero = ds_config.get("zero_optimization", {}) or {}
-    stage = int(zero.get("stage", 0))
-    gb = grad_bytes_of(ds_config)
-    out: dict[str, float] = {"reduce_bucket": float(zero.get("reduce_bucket_size", 5e8)) * gb}
-    if stage in (1, 2):
-        out["allgather_bucket"] = float(zero.get("allgather_bucket_size", 5e8)) * 2
-    if stage == 3:
-        out["prefetch"] = float(zero.get("stage3_prefetch_bucket_size", 5e7)) * 2
-        out["live_params"] = float(zero.get("stage3_max_live_parameters", 1e9)) * 2
+def config_buffer_bytes(ds_config: Mapping[str, Any], psi: int, n: int = 1) -> dict[str, float]:
+    """Upper bound of the GPU buffers the config sizes for Ψ = `psi` on `n` ranks (DeepSpeed's
+    defaults where unset): `zerorun.estimate`'s buffer terms, plus "total"."""
+    out = dict(estimate.model_state_bytes(psi, n, dict(ds_config)).buffers["gpu"])
     out["total"] = sum(out.values())
     return out
 

@@ -278,19 +278,21 @@ def _memory(args: WorkerArgs, bench: BenchConfig, ctx: RankContext, record: dict
     )
     reported = memory_model.reported_buffer_bytes(report, ctx.device.type)
     # No report (older runtime): allow the buffers the config sizes instead.
-    buffers = reported if reported is not None else memory_model.config_buffer_bytes(ds_config)["total"]
+    config_buffers = memory_model.config_buffer_bytes(ds_config, psi, ctx.world_size)
+    buffers = reported if reported is not None else config_buffers["total"]
     # On CPU the "device" is the host: offloaded terms stay in what is measured.
     device_formula = formula["gpu"]["total"] + (0.0 if on_cuda else formula["host"]["total"])
+    device_between_steps = formula["gpu"]["between_steps"] + (0.0 if on_cuda else formula["host"]["between_steps"])
     last = n_steps - 1
     checked = f"after_backward_{last}"
     checks = {}
     # After backward (optimizer states exist from the first step on, gradients are all there,
     # activations are freed) every term of the formula is alive: that is the checked point;
-    # after the step is recorded beside it.
-    for point in (checked, f"after_step_{last}"):
+    # after the step (GPU gradients freed: the between-steps formula) is recorded beside it.
+    for point, expected in ((checked, device_formula), (f"after_step_{last}", device_between_steps)):
         measured = [r["points"][point] for r in ranks]
         if all(m is not None for m in measured):
-            checks[point] = memory_model.band_check(measured, device_formula, buffers, 0.05)
+            checks[point] = memory_model.band_check(measured, expected, buffers, 0.05)
     # Offloaded terms on the host: Python-visible CPU tensors against the formula's host terms
     # (a census, so pinned staging buffers held in C++ would not show); recorded, not checked.
     host_at_check = [r["host_census"][checked] for r in ranks]
@@ -298,7 +300,7 @@ def _memory(args: WorkerArgs, bench: BenchConfig, ctx: RankContext, record: dict
         n_params=psi,
         losses=[float(v) for v in torch.stack(losses).float().cpu().tolist()],
         formula_bytes=formula,
-        config_buffer_bytes=memory_model.config_buffer_bytes(ds_config),
+        config_buffer_bytes=config_buffers,
         reported_buffer_bytes=reported,
         buffer_allowance_bytes=buffers,
         measured_by="cuda_allocator" if on_cuda else "tensor_census",

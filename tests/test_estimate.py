@@ -36,7 +36,8 @@ def _mixed(stage: int, **zero) -> dict:
         (0, (2, 4, 4, 8, "", "", "", "")),
         (1, (2, 4, 4, 8, "", "", "/N", "/N")),
         (2, (2, 4, 4, 8, "", "/N", "/N", "/N")),
-        (3, (2, 4, 4, 8, "/N", "/N", "/N", "/N")),
+        # the fp32 master slice is the at-rest parameter: no 16-bit slice (16Ψ/N, the paper's total)
+        (3, (0, 4, 4, 8, "/N", "/N", "/N", "/N")),
     ],
 )
 def test_contract4_table_mixed_precision_adam(stage, factors):
@@ -46,8 +47,25 @@ def test_contract4_table_mixed_precision_adam(stage, factors):
     for term, width, div in zip(TERMS, widths, divs, strict=True):
         expected = width * psi / (n if div else 1)
         assert est.terms["gpu"][term] == pytest.approx(expected), term
-        assert est.formulas[term] == f"{width}Ψ{div} on gpu"
+        assert est.formulas[term] == (f"{width}Ψ{div} on gpu" if width else "0 on gpu")
     assert est.model_states("gpu") == pytest.approx(sum(est.terms["gpu"].values()))
+    # gradients exist from backward to the step only: between steps the GPU holds the rest
+    assert est.between_steps("gpu") == pytest.approx(est.model_states("gpu") - est.terms["gpu"]["grads"])
+    assert est.as_dict()["between_steps_per_rank"]["gpu"] == est.between_steps("gpu")
+
+
+def test_stage3_at_rest_and_after_backward_are_12_and_16_psi_over_n():
+    # What tests/runtime/_s3_gpu_memory.py measures with the CUDA allocator.
+    psi, n = 64_000, 4
+    est = model_state_bytes(psi, n, load_config(_mixed(3)))
+    assert est.model_states("gpu") == 16 * psi / n and est.between_steps("gpu") == 12 * psi / n
+    assert est.formula("gpu") == "16Ψ/N"
+    assert any("at-rest parameter" in note for note in est.notes)
+    # fp32 training: the parameter slice is the master (4Ψ/N params, no master)
+    fp32 = model_state_bytes(psi, n, load_config({"optimizer": {"type": "Adam"}, "zero_optimization": {"stage": 3}}))
+    assert fp32.terms["gpu"]["params"] == 4 * psi / n and fp32.terms["gpu"]["master"] == 0
+    # the paper's model keeps its 2Ψ/N parameter slice
+    assert model_state_bytes(psi, n, stage=3).terms["gpu"]["params"] == 2 * psi / n
 
 
 def test_communication_dtype_halves_gradients_and_fp32_has_no_master():
@@ -86,25 +104,38 @@ def test_config_optimizer_changes_the_bytes():
 
 def test_offload_moves_terms_to_the_host():
     psi, n = 8000, 8
+    # The CPU optimizer steps from an fp32 host copy of each reduced gradient slice; the GPU
+    # keeps its gradients (a slice at stages 2-3, the full buffer at stage 1) until the step.
     s2 = model_state_bytes(psi, n, load_config(_mixed(2, offload_optimizer={"device": "cpu"})))
-    assert s2.terms["gpu"] == {"params": 2 * psi, "grads": 0.0, "master": 0.0, "optimizer_states": 0.0}
+    assert s2.terms["gpu"] == {"params": 2 * psi, "grads": 4 * psi / n, "master": 0.0, "optimizer_states": 0.0}
     assert s2.terms["cpu"] == {"params": 0.0, "grads": 4 * psi / n, "master": 4 * psi / n, "optimizer_states": 8 * psi / n}
-    # stage 1 does not partition gradients: the full gradient stays on the GPU
+    assert s2.formulas["grads"] == "4Ψ/N on gpu + 4Ψ/N on cpu"
+    assert s2.formula("gpu") == "2Ψ + 4Ψ/N" and s2.formula("cpu") == "16Ψ/N"
+    assert s2.between_steps("gpu") == 2 * psi and s2.between_steps("cpu") == s2.model_states("cpu")
     s1 = model_state_bytes(psi, n, load_config(_mixed(1, offload_optimizer={"device": "cpu"})))
-    assert s1.terms["gpu"]["grads"] == 4 * psi and s1.terms["cpu"]["grads"] == 0
+    assert s1.terms["gpu"]["grads"] == 4 * psi and s1.terms["cpu"]["grads"] == 4 * psi / n
     s3 = model_state_bytes(
         psi, n, load_config(_mixed(3, offload_optimizer={"device": "nvme", "nvme_path": "/x"}, offload_param={"device": "cpu"}))
     )
-    assert s3.model_states("gpu") == 0
+    assert s3.terms["gpu"] == {"params": 0.0, "grads": 4 * psi / n, "master": 0.0, "optimizer_states": 0.0}
+    assert s3.between_steps("gpu") == 0
     assert s3.terms["cpu"]["params"] == 2 * psi / n and s3.terms["cpu"]["grads"] == 4 * psi / n
     assert s3.terms["nvme"]["master"] == 4 * psi / n and s3.terms["nvme"]["optimizer_states"] == 8 * psi / n
     # max(2, buffer_count 4) tile buffers of master + states, a tile no larger than the shard
     assert s3.buffers["cpu"] == {"nvme_optimizer_tiles": 4 * (psi // n) * (4 + 8)}
-    # every byte is somewhere: offload moves, never loses
-    for est in (s1, s2, s3):
+    # parameters offloaded, optimizer on the GPU: the 16-bit slice lives on the host, the master on the GPU
+    p3 = model_state_bytes(psi, n, load_config(_mixed(3, offload_param={"device": "cpu"})))
+    assert p3.terms["cpu"] == {"params": 2 * psi / n, "grads": 0.0, "master": 0.0, "optimizer_states": 0.0}
+    assert p3.model_states("gpu") == 16 * psi / n
+    # offload moves terms and adds the host gradient copy (and, at stage 3, the 16-bit slice
+    # that no longer doubles as the master); nothing is lost
+    for est, added in ((s1, 4), (s2, 4), (s3, 4 + 2), (p3, 2)):
         assert sum(est.model_states(d) for d in ("gpu", "cpu", "nvme")) == pytest.approx(
-            model_state_bytes(psi, n, load_config(_mixed(est.stage))).model_states("gpu")
+            model_state_bytes(psi, n, load_config(_mixed(est.stage))).model_states("gpu") + added * psi / n
         )
+    # fp32 training keeps no master on the GPU, but the CPU optimizer steps on an fp32 host master
+    f1 = model_state_bytes(psi, n, load_config({"optimizer": {"type": "Adam"}, "zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}}))
+    assert f1.terms["cpu"]["master"] == 4 * psi / n and f1.terms["gpu"]["params"] == 4 * psi
 
 
 def test_offload_without_effect_is_ignored_with_a_note():
@@ -143,7 +174,9 @@ def test_inputs_and_table():
         (0, "none"), (1, "none"), (1, "optimizer"), (2, "none"), (2, "optimizer"),
         (3, "none"), (3, "optimizer"), (3, "optimizer+params"),
     ]  # fmt: skip
-    assert rows[-1][2].model_states("gpu") == 0 and rows[-1][2].model_states("cpu") == pytest.approx(16 * PSI / 64)
+    # the paper's widths (2-byte gradients on the GPU until the step) + the fp32 host gradient copy
+    assert rows[-1][2].model_states("gpu") == pytest.approx(2 * PSI / 64)
+    assert rows[-1][2].model_states("cpu") == pytest.approx((2 + 4 + 4 + 8) * PSI / 64)
     assert rows[3][2].formula("gpu") == "2Ψ + 14Ψ/N"
     with pytest.raises(ValueError):
         model_state_bytes(10, 0)

@@ -4,15 +4,19 @@
 or partitioned (×Ψ/N) depending on the stage, and each on a device (GPU, host memory, NVMe)
 depending on offload:
 
-    params            16-bit parameters (fp32 in fp32 training)   ÷N at stage 3
+    params            16-bit parameters (fp32 in fp32 training)   ÷N at stage 3, where the
+                      fp32 master slice doubles as the parameter (0) unless something is offloaded
     grads             gradients (fp32 unless communication_data_type is 16-bit)  ÷N at stages 2-3
     master            fp32 master weights (none in fp32 training)  ÷N at stages 1-3
     optimizer_states  e.g. Adam's m and v, 8 bytes per element      ÷N at stages 1-3
 
-`offload_optimizer` moves master and optimizer_states to the host (NVMe with device nvme)
-and, at stages 2-3, the gradient slices too (they are copied out as they are reduced);
-`offload_param` (stage 3) moves the parameter slices. The term names are those of the
-runtime's memory ledger (`zerorun/runtime/memory.py`), so measured bytes compare term by term.
+The numbers are the peak of model states, after the backward: gradients exist from the step's
+first gradient to the optimizer step at every stage (`Estimate.between_steps` leaves them out).
+`offload_optimizer` moves master and optimizer_states to the host (NVMe with device nvme) and
+adds an fp32 host copy of each reduced gradient slice (4Ψ/N; the GPU keeps its own gradients
+until the step); `offload_param` (stage 3) moves the 16-bit parameter slices. The term names
+are those of the runtime's memory ledger (`zerorun/runtime/memory.py`), so measured bytes
+compare term by term.
 
 Buffers are a separate term and an upper bound of what zerorun's runtime holds besides the
 model states: from stage 2 on, up to three gradient staging buckets (`reduce_bucket_size`
@@ -48,6 +52,8 @@ DEVICES = ("gpu", "cpu", "nvme")
 GB = 1e9
 GIB = float(2**30)
 Offload = Literal["none", "cpu", "nvme"]
+# One placed term: (term, device, bytes per element, partitioned i.e. ×Ψ/N rather than ×Ψ).
+Piece = tuple[str, str, int, bool]
 # Gradient staging buffers alive at once from stage 2 on (runtime/grad_reduce.py: max_inflight
 # collectives outstanding + the buffer being filled).
 _REDUCE_STAGING = 3
@@ -149,12 +155,21 @@ class Estimate:
     bytes_per_element: BytesPerElement
     terms: dict[str, dict[str, float]]  # device -> term -> bytes per rank
     buffers: dict[str, dict[str, float]] = field(default_factory=dict)  # device -> buffer -> bytes
-    formulas: dict[str, str] = field(default_factory=dict)  # term -> "2Ψ/N" (with its device)
+    formulas: dict[str, str] = field(default_factory=dict)  # term -> "4Ψ/N on gpu + 4Ψ/N on cpu"
     notes: tuple[str, ...] = ()
+    pieces: tuple[Piece, ...] = ()  # (term, device, bytes per element, partitioned)
 
     def model_states(self, device: str) -> float:
-        """Bytes of model states on `device` ("gpu", "cpu", "nvme") per rank."""
+        """Bytes of model states on `device` ("gpu", "cpu", "nvme") per rank at their peak:
+        after the backward, when the gradients exist (Contract 4)."""
         return sum(self.terms.get(device, {}).values())
+
+    def between_steps(self, device: str) -> float:
+        """Bytes of model states on `device` between optimizer steps: the GPU's gradients exist
+        only from the step's first gradient to the optimizer step (the host's fp32 gradient
+        copies of an offloaded optimizer are kept)."""
+        transient = self.terms.get(device, {}).get("grads", 0.0) if device == "gpu" else 0.0
+        return self.model_states(device) - transient
 
     def buffer_bytes(self, device: str) -> float:
         return sum(self.buffers.get(device, {}).values())
@@ -164,15 +179,8 @@ class Estimate:
 
     def formula(self, device: str) -> str:
         """The model states on `device` as a formula: '2Ψ + 14Ψ/N' (replicated + partitioned)."""
-        whole = part = 0
-        for term, text in self.formulas.items():
-            if not text.endswith(f" on {device}"):
-                continue
-            width = getattr(self.bytes_per_element, term)
-            if "/N" in text:
-                part += width
-            else:
-                whole += width
+        whole = sum(w for _, d, w, p in self.pieces if d == device and not p)
+        part = sum(w for _, d, w, p in self.pieces if d == device and p)
         pieces = ([f"{whole}Ψ"] if whole else []) + ([f"{part}Ψ/N"] if part else [])
         return " + ".join(pieces) or "0"
 
@@ -189,6 +197,9 @@ class Estimate:
             "per_rank": {
                 d: {**self.terms.get(d, {}), "total": self.model_states(d)} for d in DEVICES
             },
+            "point": "per_rank: after the backward (gradients alive, the peak of model states); "
+            "between_steps_per_rank: after the optimizer step (GPU gradients freed)",
+            "between_steps_per_rank": {d: self.between_steps(d) for d in DEVICES},
             "buffers_per_rank": {d: {**self.buffers.get(d, {}), "total": float(self.buffer_bytes(d))} for d in DEVICES},
             "formulas": dict(self.formulas),
             "formula_per_device": {d: self.formula(d) for d in DEVICES},
@@ -256,26 +267,18 @@ def model_state_bytes(
         par_dev = "none"
 
     psi, n = float(num_params), world_size
-    partitioned = {
-        "params": stage >= 3,
-        "grads": stage >= 2,
-        "master": stage >= 1,
-        "optimizer_states": stage >= 1,
-    }
+    pieces = _pieces(stage, bpe, opt_dev, par_dev)
+    if any(term == "params" and width == 0 for term, _, width, _ in pieces) and bpe.params:
+        notes.append(
+            "stage 3 with master and parameter slices on the GPU: the fp32 master slice is the at-rest "
+            "parameter (the all-gather casts it to 16 bits), so no separate 16-bit parameter slice"
+        )
     terms: dict[str, dict[str, float]] = {d: dict.fromkeys(TERMS, 0.0) for d in DEVICES}
-    formulas: dict[str, str] = {}
-    placement = {"params": "gpu", "grads": "gpu", "master": "gpu", "optimizer_states": "gpu"}
-    if opt_dev != "none":
-        placement["master"] = placement["optimizer_states"] = "cpu" if opt_dev == "cpu" else "nvme"
-        if stage >= 2:
-            placement["grads"] = "cpu"  # the CPU optimizer reads the slices in host memory
-    if par_dev != "none":
-        placement["params"] = "cpu" if par_dev == "cpu" else "nvme"
-    for term in TERMS:
-        width = getattr(bpe, term)
-        count = psi / n if partitioned[term] else psi
-        terms[placement[term]][term] = width * count
-        formulas[term] = f"{width}Ψ{'/N' if partitioned[term] and width else ''} on {placement[term]}"
+    texts: dict[str, list[str]] = {term: [] for term in TERMS}
+    for term, device, width, part in pieces:
+        terms[device][term] += width * (psi / n if part else psi)
+        texts[term].append(f"{f'{width}Ψ' if width else '0'}{'/N' if part and width else ''} on {device}")
+    formulas = {term: " + ".join(texts[term]) for term in TERMS}
 
     buffers = _buffers(num_params, stage, bpe, zero, opt_dev, par_dev, n, largest_layer, notes)
     if stage == 3 and zero is not None and zero.stage3_param_persistence_threshold not in (0, "auto"):
@@ -294,7 +297,42 @@ def model_state_bytes(
         buffers=buffers,
         formulas=formulas,
         notes=tuple(notes),
+        pieces=tuple(pieces),
     )
+
+
+def _pieces(stage: int, bpe: BytesPerElement, opt_dev: Offload, par_dev: Offload) -> list[Piece]:
+    """Where each term lives and how wide it is, following the runtime as built (Contract 4).
+
+    * params: replicated 16-bit buffers at stages 0-2; at stage 3 a slice per rank -- except
+      that with master and parameter slices both on the GPU (no offload) the fp32 master slice
+      *is* the at-rest parameter (runtime/stage3/build.py; the all-gather casts it), so there
+      is no 16-bit copy. The ZeRO paper's model keeps its 2Ψ/N.
+    * grads: on the GPU at every stage (full at 0-1, a slice at 2-3), alive from the step's
+      first gradient to the optimizer step. The CPU optimizer (offload_optimizer) steps from an
+      fp32 host copy of each reduced slice (runtime/offload/pipeline.py, allocated once and
+      kept), while the GPU keeps its slice until the step.
+    * master, optimizer_states: on the GPU, or with the optimizer on the host/NVMe. fp32
+      training keeps no master on the GPU (the parameter shard is the master) but an offloaded
+      optimizer steps on an fp32 host master.
+    """
+    opt_where = {"none": "gpu", "cpu": "cpu", "nvme": "nvme"}[opt_dev]
+    par_where = {"none": "gpu", "cpu": "cpu", "nvme": "nvme"}[par_dev]
+    master_is_param = (
+        stage == 3 and opt_dev == "none" and par_dev == "none" and bpe.master > 0 and bpe.precision != "paper"
+    )
+    master_width = bpe.master or (4 if opt_dev != "none" else 0)
+    pieces: list[Piece] = [
+        ("params", par_where, 0 if master_is_param else bpe.params, stage >= 3),
+        ("grads", "gpu", bpe.grads, stage >= 2),
+    ]
+    if opt_dev != "none":
+        pieces.append(("grads", "cpu", 4, True))
+    pieces += [
+        ("master", opt_where, master_width, stage >= 1),
+        ("optimizer_states", opt_where, bpe.optimizer_states, stage >= 1),
+    ]
+    return pieces
 
 
 def _buffers(

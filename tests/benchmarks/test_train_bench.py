@@ -95,9 +95,22 @@ def test_zero_formulas_follow_contract_4() -> None:
     assert memory_model.model_state_bytes(psi, n, 1)["gpu"]["total"] == 6 * psi + 12 * psi / n
     assert memory_model.model_state_bytes(psi, n, 2)["gpu"]["total"] == 2 * psi + 16 * psi / n
     assert memory_model.model_state_bytes(psi, n, 2, grad_bytes=2)["gpu"]["total"] == 2 * psi + 14 * psi / n
-    assert memory_model.model_state_bytes(psi, n, 3)["gpu"]["total"] == 18 * psi / n
+    # stage 3: the fp32 master slice is the at-rest parameter (no 16-bit slice)
+    s3 = memory_model.model_state_bytes(psi, n, 3)["gpu"]
+    assert s3["total"] == 16 * psi / n and s3["params"] == 0 and s3["between_steps"] == 12 * psi / n
+    # gradients exist from backward to the step: between steps the GPU holds the rest
+    assert memory_model.model_state_bytes(psi, n, 2)["gpu"]["between_steps"] == 2 * psi + 12 * psi / n
+    # offload: the GPU keeps its gradient slice until the step, the CPU steps from an fp32 copy
     off = memory_model.model_state_bytes(psi, n, 3, offload_optimizer=True, offload_param=True)
-    assert off["gpu"]["total"] == 0 and off["host"]["total"] == 18 * psi / n
+    assert off["gpu"]["total"] == 4 * psi / n and off["gpu"]["between_steps"] == 0
+    assert off["host"]["total"] == off["host"]["between_steps"] == (2 + 4 + 4 + 8) * psi / n
+    s1 = memory_model.model_state_bytes(psi, n, 1, offload_optimizer=True)
+    assert s1["gpu"]["total"] == 6 * psi and s1["host"]["grads"] == 4 * psi / n
+    # buffers follow zerorun.estimate: stage 2 stages three buckets, stages 0-1 reduce in place
+    ds = {"bf16": {"enabled": True}, "zero_optimization": {"stage": 2, "reduce_bucket_size": 100}}
+    assert memory_model.config_buffer_bytes(ds, psi, n) == {"reduce_staging": 3 * 100 * 4.0, "total": 1200.0}
+    ds["zero_optimization"]["stage"] = 1
+    assert memory_model.config_buffer_bytes(ds, psi, n) == {"total": 0}
     with pytest.raises(ValueError):
         memory_model.model_state_bytes(psi, n, 2, offload_param=True)
     summary = {"cuda:0": {"params": 5, "buffers": 4, "module_buffers": 9}, "cpu": {"buffers": 1}}

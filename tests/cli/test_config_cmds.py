@@ -163,12 +163,18 @@ def test_estimate_reproduces_the_paper(capsys):
     for stage, gb in (("0", "120.0"), ("1", "31.4"), ("2", "16.6"), ("3", "1.9")):
         assert lines[(stage, "none")].split()[2] == gb
     assert "activations are not included" in out and "GB = 1e9 bytes" in out
+    assert "per GPU = after the backward" in out and "between steps" in out
     code, out, err = run(estimate_cmd.app, ["--params", "7.5B", "--gpus_per_node", "8", "--nodes", "8", "--json"], capsys)
     doc = json.loads(out)
     gpu = {(r["stage"], r["offload"]): r["per_gpu_bytes"] for r in doc["rows"]}
     assert gpu[(0, "none")] == 120e9 and gpu[(3, "none")] == pytest.approx(16 * 7.5e9 / 64)
     host = {(r["stage"], r["offload"]): r["per_host_bytes"] for r in doc["rows"]}
-    assert host[(3, "optimizer+params")] == pytest.approx(16 * 7.5e9 / 64 * 8)
+    # offloaded: the paper's 16Ψ/N moves to the host, plus the CPU optimizer's fp32 gradient copy
+    assert host[(3, "optimizer+params")] == pytest.approx((16 + 2) * 7.5e9 / 64 * 8)
+    # the point in the step: after the backward; between steps the GPU gradients are freed
+    assert "after the backward" in doc["point"]
+    between = {(r["stage"], r["offload"]): r["per_gpu_between_steps_bytes"] for r in doc["rows"]}
+    assert between[(3, "none")] == pytest.approx(14 * 7.5e9 / 64)
 
 
 def test_estimate_follows_a_config(tmp_path, capsys):

@@ -318,7 +318,8 @@ def _render_estimate(console: Any, est: Any, notes: list[str], unit: tuple[str, 
     for term in TERMS:
         cells = [f"{est.terms[d][term] / scale:.2f}" if est.terms[d][term] else "-" for d in ("gpu", "cpu", "nvme")]
         table.add_row(term, est.formulas[term], *cells)
-    table.add_row("[bold]model states[/bold]", "", *[f"[bold]{est.model_states(d) / scale:.2f}[/bold]" for d in ("gpu", "cpu", "nvme")])
+    table.add_row("[bold]model states[/bold]", "after backward (peak)", *[f"[bold]{est.model_states(d) / scale:.2f}[/bold]" for d in ("gpu", "cpu", "nvme")])
+    table.add_row("model states", "between steps (no GPU grads)", *[f"{est.between_steps(d) / scale:.2f}" for d in ("gpu", "cpu", "nvme")])
     for device in ("gpu", "cpu"):
         for buf, size in est.buffers.get(device, {}).items():
             cells = [f"{size / scale:.2f}" if d == device else "" for d in ("gpu", "cpu", "nvme")]

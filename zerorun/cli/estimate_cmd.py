@@ -68,6 +68,7 @@ def estimate(
             "stage": stage,
             "offload": label,
             "per_gpu_bytes": est.model_states("gpu"),
+            "per_gpu_between_steps_bytes": est.between_steps("gpu"),
             "per_gpu_formula": est.formula("gpu"),
             "per_host_bytes": est.model_states("cpu") * gpus_per_node,
             "per_host_nvme_bytes": est.model_states("nvme") * gpus_per_node,
@@ -88,6 +89,8 @@ def estimate(
             "bytes_per_element": {"params": bpe.params, "grads": bpe.grads, "master": bpe.master,
                                   "optimizer_states": bpe.optimizer_states},  # fmt: skip
             "units": "bytes",
+            "point": "per_gpu_bytes: after the backward (gradients alive, the peak of model states); "
+            "per_gpu_between_steps_bytes: after the optimizer step (GPU gradients freed)",
             "activations": "not included",
             "rows": [row_dict(*r) for r in rows],
             "config_choice": None if mine is None else mine.as_dict(),
@@ -123,8 +126,12 @@ def _render(num_params: int, gpus_per_node: int, nodes: int, rows: list[tuple[in
     )
     console.print(f"  {escape(model)}")
     console.print(f"  {unit_name} = {'1e9 bytes' if unit_name == 'GB' else '2^30 bytes'}; activations are not included")
+    console.print(
+        "  per GPU = after the backward (gradients alive: the peak of model states); between steps = after the "
+        "optimizer step (GPU gradients freed)"
+    )
     table = Table(box=None, header_style="bold", pad_edge=False)
-    for name, justify in (("stage", "right"), ("offload", "left"), ("per GPU", "right"), ("formula", "left"),
+    for name, justify in (("stage", "right"), ("offload", "left"), ("per GPU", "right"), ("formula", "left"), ("between steps", "right"),
                           ("per host (CPU)", "right"), ("per host (NVMe)", "right"), ("+ GPU buffers ≤", "right")):  # fmt: skip
         table.add_column(name, justify=justify)  # type: ignore[arg-type]
     for stage, label, est in rows:
@@ -134,6 +141,7 @@ def _render(num_params: int, gpus_per_node: int, nodes: int, rows: list[tuple[in
             label,
             f"{est.model_states('gpu') / scale:.1f}",
             est.formula("gpu"),
+            f"{est.between_steps('gpu') / scale:.1f}",
             f"{est.model_states('cpu') * gpus_per_node / scale:.1f}",
             f"{est.model_states('nvme') * gpus_per_node / scale:.1f}" if est.model_states("nvme") else "-",
             f"{est.buffer_bytes('gpu') / scale:.2f}",
