@@ -8,8 +8,9 @@ The article's section 3.3 command, with zerorun instead of deepspeed and nothing
 Nothing is downloaded: without `--model_name_or_path` a tiny GPT-2 is built from a config
 (`AutoModelForCausalLM.from_config`, partitioned by zero.Init under ZeRO-3), and the data are
 the bytes of `--train_file` (default: this script) as tokens (vocabulary 256), cut in blocks of
-`--block_size`; the last tenth is the evaluation set. It trains, evaluates, resumes from the
-last `checkpoint-*` in `--output_dir` if there is one, and saves the final model there.
+`--block_size`; the last tenth is the evaluation set. It trains (resuming from the last
+`checkpoint-*` in `--output_dir` if there is one), saves the final model there, evaluates with
+`--do_eval`, and writes metrics.json.
 """
 
 from __future__ import annotations
@@ -91,7 +92,9 @@ def main() -> None:
         last = get_last_checkpoint(training_args.output_dir)
     result = trainer.train(resume_from_checkpoint=last)
     trainer.save_model()
-    metrics = {"train_loss": result.training_loss, "resumed_from": last, **trainer.evaluate()}
+    metrics = {"train_loss": result.training_loss, "resumed_from": last}
+    if training_args.do_eval:
+        metrics.update(trainer.evaluate())
     if trainer.is_world_process_zero():
         print(json.dumps(metrics))
         with open(os.path.join(training_args.output_dir, "metrics.json"), "w") as fh:

@@ -31,7 +31,7 @@ run() {  # run NAME CMD...: log to $OUT/NAME.log, one line per step in the summa
   local t0=$SECONDS
   timeout 900 "$@" >"$OUT/$name.log" 2>&1
   local rc=$?
-  echo "$name: exit $rc in $((SECONDS - t0)) s -- $(grep -h '"eval_loss"' "$OUT/$name.log" | tail -n 1 || true)" \
+  echo "$name: exit $rc in $((SECONDS - t0)) s -- $(grep -h '"train_loss"' "$OUT/$name.log" | tail -n 1 || true)" \
     | tee -a "$summary"
   return 0
 }
@@ -54,7 +54,7 @@ printf '{"train_micro_batch_size_per_gpu": 16, "gradient_accumulation_steps": 2,
 # 1. the compat tests on this machine.
 run compat_tests "$PY" -m pytest -q -p no:cacheprovider tests/compat --junitxml="$OUT/compat_tests.xml"
 
-trainer_args=(--bf16 --per_device_train_batch_size 8 --gradient_accumulation_steps 2 --learning_rate 3e-3
+trainer_args=(--do_eval --bf16 --per_device_train_batch_size 8 --gradient_accumulation_steps 2 --learning_rate 3e-3
   --logging_steps 5 --save_steps 20 --report_to none --disable_tqdm true --n_layer 4 --n_embd 256 --n_head 4
   --block_size 128 --train_file README.md)
 # 2. world 1 on NCCL.
@@ -64,11 +64,16 @@ for cfg in zero2 zero3 zero3_offload; do
 done
 run trainer_1gpu_zero3_resumed "$PY" -m zerorun --deepspeed-compat --num_gpus 1 examples/hf_trainer.py \
   --deepspeed "$cfg_dir/zero3.json" --output_dir "$OUT/trainer_1gpu_zero3" --max_steps 60 "${trainer_args[@]}"
-# 3. two ranks sharing the GPU (gloo).
+# 3. two ranks sharing the GPU (gloo; accelerate's own collectives -- the token count gathered
+#    every step, the eval gather -- then carry CUDA tensors over gloo). Training + save + resume
+#    first, then the same with evaluation.
 for cfg in zero2 zero3; do
   run "trainer_2ranks_shared_$cfg" "$PY" -m zerorun --deepspeed-compat --num_gpus 2 --ranks_per_gpu 2 \
     examples/hf_trainer.py --deepspeed "$cfg_dir/$cfg.json" --output_dir "$OUT/trainer_2ranks_shared_$cfg" \
-    --max_steps 40 "${trainer_args[@]}"
+    --max_steps 40 "${trainer_args[@]:1}"
+  run "trainer_2ranks_shared_${cfg}_resumed_eval" "$PY" -m zerorun --deepspeed-compat --num_gpus 2 --ranks_per_gpu 2 \
+    examples/hf_trainer.py --deepspeed "$cfg_dir/$cfg.json" --output_dir "$OUT/trainer_2ranks_shared_$cfg" \
+    --max_steps 60 "${trainer_args[@]}"
 done
 # 4. the article's DeepSpeed script, unchanged.
 run ds_toy_1gpu_nccl "$PY" -m zerorun --deepspeed-compat --num_gpus 1 examples/ds_toy.py \
@@ -78,7 +83,7 @@ run ds_toy_2ranks_shared "$PY" -m zerorun --deepspeed-compat --num_gpus 2 --rank
 
 for d in "$OUT"/trainer_*/; do
   [[ -f "$d/metrics.json" ]] && "$PY" -c 'import json, sys; m = json.load(open(sys.argv[1]));
-print(sys.argv[1], "eval_loss", round(m["eval_loss"], 4), "train_loss", round(m["train_loss"], 4), "resumed_from", m["resumed_from"])' \
+print(sys.argv[1], "eval_loss", m.get("eval_loss"), "train_loss", round(m["train_loss"], 4), "resumed_from", m["resumed_from"])' \
     "$d/metrics.json" | tee -a "$summary"
 done
 echo "done; see $summary" | tee -a "$summary"

@@ -28,7 +28,7 @@ def _train(cfg: Path, out: Path, max_steps: int) -> dict:
         ["--num_gpus", "1", "--device", "cpu", "examples/hf_trainer.py", "--deepspeed", str(cfg),
          "--output_dir", str(out), "--max_steps", str(max_steps), "--save_steps", "4",
          "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2", "--learning_rate", "3e-3",
-         "--logging_steps", "2", "--report_to", "none", "--disable_tqdm", "true"],
+         "--logging_steps", "2", "--report_to", "none", "--disable_tqdm", "true", "--do_eval"],
         timeout=240,
     )
     return json.loads((out / "metrics.json").read_text())
