@@ -103,6 +103,25 @@ def test_init_built_and_loaded_models_match_reference(results, world: int, name:
     _check_equivalence(results(world)[name], world, "bf16")
 
 
+def _check_estimate(name: str, x: dict, mem: dict, world: int) -> None:
+    """zerorun.estimate (Contract 4) for the same Ψ: master, Adam states and gradient slices
+    (after the backward) are Ψ/N each up to the shards' padding; in mixed precision no 16-bit
+    slice beside the master (the estimate's params 0; what the ledger shows there is the
+    persistent and frozen parameters the estimate leaves out); in fp32 no master."""
+    from zerorun.estimate import model_state_bytes
+
+    fp32 = name.startswith("fp32")
+    psi = x["partitioned_numel"] + x["persistent_bytes"] // (4 if fp32 else 2)
+    config = {"optimizer": {"type": "AdamW"}, "zero_optimization": {"stage": 3}, "bf16": {"enabled": not fp32}}
+    est = model_state_bytes(psi, world, config).terms["gpu"]
+    pad = x["grad_shard_bytes"] // 4 - psi / world  # padding elements per rank (shards are equal)
+    measured = {"grads": x["grads_after_backward"], "master": mem["master"], "optimizer_states": mem["optimizer_states"]}
+    for term, width in (("grads", 4), ("master", 0 if fp32 else 4), ("optimizer_states", 8)):
+        assert est[term] - width <= measured[term] <= est[term] + width * pad + width, (name, term, measured, est)
+    if not fp32:
+        assert est["params"] == 0
+
+
 @pytest.mark.parametrize("world", WORLDS)
 def test_memory_at_rest(results, world: int) -> None:  # noqa: ANN001
     """Per-rank parameter state at rest = partitioned total / N + persistent (+ frozen layers,
@@ -131,6 +150,7 @@ def test_memory_at_rest(results, world: int) -> None:  # noqa: ANN001
             # gradient slices exist from the step's first reduction to the optimizer step only
             assert x["grads_after_backward"] == x["grad_shard_bytes"], (name, x["grads_after_backward"])
             assert mem["grads"] == 0, (name, mem)
+            _check_estimate(name, x, mem, world)
             if world > 1:
                 assert mem["buffers"] > 0, "gathered parameters / staging not accounted"
 
