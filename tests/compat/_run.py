@@ -32,5 +32,6 @@ def run(args: list[str], timeout: float, **extra: str) -> subprocess.CompletedPr
 
 
 def launch(args: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
-    """``zerorun --deepspeed-compat ARGS`` (the launcher, real ranks, gloo)."""
-    return run(["-m", "zerorun", "--deepspeed-compat", *args], timeout)
+    """``zerorun --deepspeed-compat ARGS`` (the launcher, real ranks, gloo; CPU ranks even on a
+    GPU machine, where the GPU checks are scripts/gpu_compat_checks.sh)."""
+    return run(["-m", "zerorun", "--deepspeed-compat", *args], timeout, CUDA_VISIBLE_DEVICES="")

@@ -197,10 +197,15 @@ def activate(*, announce: bool = True) -> None:
 
 
 def _pin_accelerate_device() -> None:
-    """accelerate puts a rank on GPU ``LOCAL_RANK % device_count``; with ``--ranks_per_gpu K``
-    zerorun uses ``LOCAL_RANK // K`` (the shim already selected it). accelerate takes an
-    explicit device from ACCELERATE_TORCH_DEVICE, so both agree."""
-    if os.environ.get("ZERORUN_DEVICE") != "cuda" or "ACCELERATE_TORCH_DEVICE" in os.environ:
+    """accelerate puts a rank on GPU ``LOCAL_RANK % device_count`` whenever it sees one; zerorun
+    uses ``LOCAL_RANK // K`` with ``--ranks_per_gpu K`` (the shim already selected it), or the
+    CPU with ``--device cpu``. accelerate takes an explicit device from ACCELERATE_TORCH_DEVICE,
+    so both agree."""
+    device = os.environ.get("ZERORUN_DEVICE")
+    if device not in ("cuda", "cpu") or "ACCELERATE_TORCH_DEVICE" in os.environ:
+        return
+    if device == "cpu":
+        os.environ["ACCELERATE_TORCH_DEVICE"] = "cpu"
         return
     try:
         local = int(os.environ.get("LOCAL_RANK", "0"))
