@@ -107,7 +107,11 @@ def test_batch_triad() -> None:
     assert resolve_batch(None, 4, None, 3) == (12, 4, 1)
     with pytest.raises(RuntimeConfigError, match="must equal"):
         resolve_batch(30, 4, 2, 2)
-    with pytest.raises(RuntimeConfigError, match="not a multiple"):
+    # the rule and its arithmetic are zerorun.config's (config/batch.py), the type the runtime's
+    with pytest.raises(RuntimeConfigError, match="not divisible by train_micro_batch_size_per_gpu 4 × world size 2"):
         resolve_batch(30, 4, None, 2)
+    assert resolve_batch(32, None, None, 4) == (32, 8, 1)  # only the global batch: accumulation 1
+    with pytest.raises(RuntimeConfigError, match="gradient_accumulation_steps 2 × world size 4"):
+        resolve_batch(30, None, 2, 4)
     with pytest.raises(RuntimeConfigError, match="train_micro_batch_size_per_gpu"):
         resolve_batch(None, None, 2, 2)

@@ -88,40 +88,29 @@ def _concrete(value: Any, key: str, how: str) -> Any:
 def resolve_batch(
     train_batch: int | None, micro: int | None, accum: int | None, world: int
 ) -> tuple[int, int, int]:
-    """DeepSpeed's batch triad: train_batch = micro * accum * world. Any two determine the third;
-    one alone is completed with accum = 1. Returns (train_batch, micro, accum)."""
-    if train_batch is not None and micro is not None and accum is not None:
-        if train_batch != micro * accum * world:
-            raise RuntimeConfigError(
-                f"train_batch_size ({train_batch}) must equal train_micro_batch_size_per_gpu ({micro}) x "
-                f"gradient_accumulation_steps ({accum}) x world size ({world}) = {micro * accum * world}; "
-                "fix one of them or set it to auto"
-            )
-        return train_batch, micro, accum
-    if train_batch is not None and micro is not None:
-        accum, rest = divmod(train_batch, micro * world)
-        if rest or accum < 1:
-            raise RuntimeConfigError(
-                f"train_batch_size ({train_batch}) is not a multiple of train_micro_batch_size_per_gpu ({micro}) "
-                f"x world size ({world})"
-            )
-        return train_batch, micro, accum
-    if train_batch is not None:
-        accum = accum or 1
-        micro, rest = divmod(train_batch, accum * world)
-        if rest or micro < 1:
-            raise RuntimeConfigError(
-                f"train_batch_size ({train_batch}) is not a multiple of gradient_accumulation_steps ({accum}) "
-                f"x world size ({world})"
-            )
-        return train_batch, micro, accum
-    if micro is not None:
-        accum = accum or 1
-        return micro * accum * world, micro, accum
-    raise RuntimeConfigError(
-        "train_micro_batch_size_per_gpu (or train_batch_size) is missing or 'auto' and zerorun.initialize "
-        "cannot infer it: set it in the config, or pass training_data as a DataLoader with a batch_size"
-    )
+    """DeepSpeed's batch triad, train_batch = micro * accum * world, for the concrete values
+    ``initialize`` has (None: not given or ``auto``). The rule is ``zerorun.config``'s (one
+    rule, one place: config/batch.py); here a contradiction or a batch size still unknown is a
+    RuntimeConfigError naming the keys. Returns (train_batch, micro, accum)."""
+    # Imported here: zerorun.config loads the YAML reader, which the runtime's modules do not
+    # import at module level (initialize loads the config through it anyway).
+    from zerorun.config.batch import resolve_batch as triad
+    from zerorun.errors import ConfigError
+
+    try:
+        res = triad(train_batch, micro, accum, world)
+    except ConfigError as err:
+        raise RuntimeConfigError(
+            f"train_batch_size must equal train_micro_batch_size_per_gpu x gradient_accumulation_steps x "
+            f"world size ({world}): {err}"
+        ) from None
+    train, micro, accum = res.train_batch_size, res.train_micro_batch_size_per_gpu, res.gradient_accumulation_steps
+    if res.open or train is None or micro is None or accum is None:
+        raise RuntimeConfigError(
+            "train_micro_batch_size_per_gpu (or train_batch_size) is missing or 'auto' and zerorun.initialize "
+            "cannot infer it: set it in the config, or pass training_data as a DataLoader with a batch_size"
+        )
+    return train, micro, accum
 
 
 def _opt_int(value: Any) -> int | None:
