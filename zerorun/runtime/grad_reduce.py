@@ -321,8 +321,12 @@ class PartitionedGrads(GradReducer):
         dst = self._staging_for(i)[offset : offset + numel]
         if self._prescale is None:
             dst.copy_(grad)
+        elif grad.dtype == torch.float16 and dst.dtype != torch.float16:
+            # torch.mul computes in the input's dtype, and fp16 (unlike bf16) has subnormals in
+            # the range gradients reach, where halving rounds: scale in the wider dtype instead.
+            dst.copy_(grad).mul_(self._prescale)
         else:
-            torch.mul(grad, self._prescale, out=dst)  # cast + average in one pass
+            torch.mul(grad, self._prescale, out=dst)  # cast + average in one pass (exact)
 
     def _fill_unwritten(self, i: int) -> None:
         if self.comm.trivial:
