@@ -25,6 +25,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" OMP_NUM_THREADS=4 PYTHONUNBU
 # ZR_TEST_DEADLINE: one multi-rank launch inside a test (a hang ends there, with every rank's output).
 export CUBLAS_WORKSPACE_CONFIG=:4096:8 ZERORUN_TEST_DEVICE=cuda ZERORUN_RANKS_PER_GPU=4 ZR_TEST_DEADLINE=100
 BUDGET="${GPU_CHECKS_BUDGET:-480}"
+# GPU_CHECKS_ONLY=eq_world1_nccl,offload_shared_gloo runs only the named groups.
 PYTEST=("$PY" -m pytest -q -p no:cacheprovider -rf --tb=short)
 summary="$OUT/summary.txt"
 : >"$summary"
@@ -34,6 +35,9 @@ nvidia-smi >"$OUT/nvidia-smi.txt" 2>&1 || true
 
 run() {  # run NAME LIMIT_S CMD...: log to $OUT/NAME.log, one line per step in the summary
   local name=$1 limit=$2; shift 2
+  if [[ -n "${GPU_CHECKS_ONLY:-}" && ",$GPU_CHECKS_ONLY," != *",$name,"* ]]; then
+    return 0  # not selected (GPU_CHECKS_ONLY=name,name,...)
+  fi
   local left=$((BUDGET - SECONDS))
   if ((left < 20)); then
     echo "$name: SKIPPED (GPU_CHECKS_BUDGET=$BUDGET s spent)" | tee -a "$summary"
