@@ -16,6 +16,7 @@ import math
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -139,4 +140,24 @@ def reference_train(
                     c.copy_(m)
     out.master = {n: p.detach().cpu().clone() for n, p in master.named_parameters()}
     out.compute = {n: p.detach().cpu().clone() for n, p in compute.named_parameters()}
+    return out
+
+
+def full_masters(engine) -> dict[str, torch.Tensor]:  # noqa: ANN001 - a zerorun engine
+    """All-gather every rank's fp32 master shards (on the device or offloaded) and cut them
+    into named parameters, on the CPU."""
+    state = engine.stage.state
+    state.synchronize()  # an offloaded (possibly delayed) step may still be writing them
+    out = {}
+    # gloo gathers CPU tensors (also when the ranks share a GPU); NCCL needs CUDA ones.
+    on = engine.device if dist.get_backend() == "nccl" else torch.device("cpu")
+    for layout, master in zip(state.layouts, state.masters, strict=True):
+        full = torch.empty(layout.padded_numel, dtype=torch.float32, device=on)
+        if layout.num_shards > 1:
+            dist.all_gather_into_tensor(full, master.detach().float().contiguous().to(on))
+        else:
+            full.copy_(master.detach().float())
+        full = full.cpu()
+        for slot in layout.slots:
+            out[slot.name] = full[slot.offset : slot.offset + slot.numel].view(slot.shape).clone()
     return out

@@ -173,24 +173,6 @@ def reference(
     }
 
 
-def full_masters(engine) -> dict[str, torch.Tensor]:
-    state = engine.stage.state
-    state.synchronize()
-    out = {}
-    # gloo gathers CPU tensors (also when the ranks share a GPU); NCCL needs CUDA ones.
-    on = engine.device if dist.get_backend() == "nccl" else torch.device("cpu")
-    for layout, master in zip(state.layouts, state.masters, strict=True):
-        full = torch.empty(layout.padded_numel, dtype=torch.float32, device=on)
-        if layout.num_shards > 1:
-            dist.all_gather_into_tensor(full, master.detach().float().contiguous().to(on))
-        else:
-            full.copy_(master.detach().float())
-        full = full.cpu()
-        for slot in layout.slots:
-            out[slot.name] = full[slot.offset : slot.offset + slot.numel].view(slot.shape).clone()
-    return out
-
-
 def compute_params(model: nn.Module, stage: int) -> dict[str, torch.Tensor]:
     if stage == 3:
         with zerorun.zero.GatheredParameters(list(model.parameters())):
@@ -220,7 +202,7 @@ def run_case(case: oc.OCase, rank: int, world: int, nvme_dir: str) -> dict | Non
         in_flight.append(bool(runner is not None and runner.busy))  # a delayed step still running
         norms.append(engine.get_global_grad_norm())
     memory = engine.memory_summary()
-    masters = full_masters(engine)
+    masters = _models.full_masters(engine)
     files_dir = getattr(getattr(placement, "files", None), "dir", None)
     store = getattr(placement, "param_store", None)
     info = {
@@ -289,13 +271,13 @@ def run_resume(case: oc.OCase, rank: int, world: int, nvme_dir: str, ckpt_dir: s
     engine, _, _, _ = zerorun.initialize(model=make_model(case, seed), config=cfg)
     _train(engine, seed, rank, range(2))
     engine.save_checkpoint(ckpt_dir, tag=case.name)
-    saved = full_masters(engine)
+    saved = _models.full_masters(engine)
     after = _train(engine, seed, rank, range(2, 4))
     engine.destroy()
     exact_cfg = dict(cfg, zerorun={"delayed_param_update": False})
     resumed_engine, _, _, _ = zerorun.initialize(model=make_model(case, seed + 1), config=exact_cfg)
     resumed_engine.load_checkpoint(ckpt_dir, tag=case.name)
-    loaded = full_masters(resumed_engine)
+    loaded = _models.full_masters(resumed_engine)
     resumed = _train(resumed_engine, seed, rank, range(2, 4))
     resumed_engine.destroy()
     out = {

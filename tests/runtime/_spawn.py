@@ -1,50 +1,19 @@
-"""Start N real ranks of a script the way torchrun would (environment only), with a deadline.
-
-The ranks run in their own session so a hung or failed job is killed as a whole process group
-(pytest-timeout cannot interrupt a rank stuck in a collective; test-machine-facts.md).
-"""
+"""Start N real ranks of a script the way torchrun would (environment only), with a deadline;
+a failed or hung job is an AssertionError with every rank's output. The spawning itself is
+tests/_ranks.py (shared with tests/checkpoint)."""
 
 from __future__ import annotations
 
+import json
 import os
-import signal
-import socket
-import subprocess
-import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
-REPO = Path(__file__).resolve().parents[2]
+from _ranks import REPO, run_ranks
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _launcher_env(style: str, rank: int, world: int, port: int) -> dict[str, str]:
-    """The variables a rank gets from torchrun (and zerorun) or from srun."""
-    if style == "slurm":
-        # srun gives no MASTER_ADDR: zerorun takes the first host of the node list.
-        return {
-            "SLURM_PROCID": str(rank),
-            "SLURM_NTASKS": str(world),
-            "SLURM_LOCALID": str(rank),
-            "SLURM_JOB_NODELIST": "127.0.0.1",
-            "MASTER_PORT": str(port),
-        }
-    return {
-        "RANK": str(rank),
-        "LOCAL_RANK": str(rank),
-        "WORLD_SIZE": str(world),
-        "LOCAL_WORLD_SIZE": str(world),
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(port),
-    }
-
-
-_LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+__all__ = ["REPO", "results_per_world", "spawn_ranks"]
 
 
 def spawn_ranks(
@@ -58,64 +27,52 @@ def spawn_ranks(
 ) -> list[tuple[int, str]]:
     """Run ``script`` as ``world`` ranks; return [(returncode, combined output)] per rank.
     Raises AssertionError (with every rank's output) on timeout or a failing rank."""
-    port = free_port()
-    procs: list[subprocess.Popen[str]] = []
-    logs = []
-    for rank in range(world):
-        env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARS and not k.startswith("SLURM_")}
-        env.update(_launcher_env(style, rank, world, port))
-        env.update(
-            OMP_NUM_THREADS="1",
-            ZERORUN_PG_TIMEOUT="60",
-            ZERORUN_DEVICE=os.environ.get("ZERORUN_TEST_DEVICE", "cpu"),
-            PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""),
-            TORCH_CPP_LOG_LEVEL="ERROR",
-            PYTHONUNBUFFERED="1",
-        )
-        env.pop("ZERORUN_EVENT_FD", None)
-        env.update(extra_env or {})
-        log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"zr-rank-{os.getpid()}-{port}-{rank}.log", "w+")  # noqa: SIM115
-        logs.append(log)
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, str(script), *args],
-                env=env,
-                cwd=str(REPO),
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                text=True,
-                start_new_session=True,
-            )
-        )
-    end = time.monotonic() + deadline_s
-    timed_out = False
-    try:
-        while any(p.poll() is None for p in procs):
-            if time.monotonic() > end:
-                timed_out = True
-                break
-            if any(p.poll() not in (None, 0) for p in procs):
-                time.sleep(2.0)  # let the others fail on their own and flush, then stop them
-                break
-            time.sleep(0.05)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-        for p in procs:
-            p.wait(timeout=10)
-    results = []
-    for p, log in zip(procs, logs, strict=True):
-        log.seek(0)
-        results.append((p.returncode, log.read()))
-        log.close()
-        os.unlink(log.name)
-    if timed_out or any(rc != 0 for rc, _ in results):
+    start = time.monotonic()
+    results = run_ranks([str(script), *args], world, deadline_s=deadline_s, extra_env=extra_env, style=style)
+    if any(rc != 0 for rc, _ in results):
+        timed_out = time.monotonic() - start >= deadline_s
         detail = "\n".join(f"--- rank {r} rc={rc}\n{out[-6000:]}" for r, (rc, out) in enumerate(results))
         raise AssertionError(
             f"{'timed out' if timed_out else 'a rank failed'} ({script.name}, world {world}):\n{detail}"
         )
     return results
+
+
+def results_per_world(
+    tmp_path_factory: Any,
+    script: Path,
+    *,
+    prefix: str,
+    deadline_s: float,
+    extra_args: Callable[[Path], list[str]] | None = None,
+    after: Callable[[Path, dict], None] | None = None,
+) -> Callable[[int], dict]:
+    """For a module-scoped ``results`` fixture: one launch per world size runs every case of
+    ``script``, whose rank 0 writes {case: result} as JSON to its first argument. Results are
+    cached per world; a failed launch fails its other tests at once instead of relaunching per
+    test. ``ZR_TEST_DEADLINE`` overrides ``deadline_s``; ``extra_args(base)`` adds arguments
+    (files under the launch's own folder), ``after(base, results)`` inspects it afterwards."""
+    cache: dict[int, dict] = {}
+    failed: dict[int, str] = {}
+
+    def get(world: int) -> dict:
+        if world in failed:
+            raise AssertionError(
+                f"the world {world} launch failed (the first test using it shows why): {failed[world]}"
+            )
+        if world not in cache:
+            base = tmp_path_factory.mktemp(f"{prefix}{world}")
+            out = base / "results.json"
+            args = [str(out), *(extra_args(base) if extra_args else [])]
+            try:
+                spawn_ranks(script, world, args, deadline_s=float(os.environ.get("ZR_TEST_DEADLINE", deadline_s)))
+            except AssertionError as e:
+                failed[world] = str(e).splitlines()[0]
+                raise
+            results = json.loads(out.read_text())
+            if after is not None:
+                after(base, results)
+            cache[world] = results
+        return cache[world]
+
+    return get

@@ -43,26 +43,6 @@ def config_for(case: _cases.Case) -> dict:
     return cfg
 
 
-def full_masters(engine) -> dict[str, torch.Tensor]:
-    """All-gather every rank's fp32 master shards and cut them into named parameters."""
-    state = engine.stage.state
-    out = {}
-    # gloo gathers CPU tensors (also when the ranks share a GPU); NCCL needs CUDA ones.
-    on = state.masters[0].device if state.masters else torch.device("cpu")
-    if dist.get_backend() != "nccl":
-        on = torch.device("cpu")
-    for layout, master in zip(state.layouts, state.masters, strict=True):
-        full = torch.empty(layout.padded_numel, dtype=torch.float32, device=on)
-        if layout.num_shards > 1:
-            dist.all_gather_into_tensor(full, master.detach().float().contiguous().to(on))
-        else:
-            full.copy_(master.detach().float())
-        full = full.cpu()
-        for slot in layout.slots:
-            out[slot.name] = full[slot.offset : slot.offset + slot.numel].view(slot.shape).clone()
-    return out
-
-
 def model_state_terms(engine, case: _cases.Case, world: int) -> tuple[dict, dict]:
     """Bytes of the four model-state terms this rank holds for the trainable parameters, and
     what zerorun.estimate (Contract 4) says for the same count and config."""
@@ -107,7 +87,7 @@ def run_case(case: _cases.Case, rank: int, world: int) -> dict | None:
         after = torch.cat([p.detach().float().reshape(-1) for p in model.parameters()]).sum().item()
         checksums.append((before, after))
     memory = engine.memory_summary()
-    masters = full_masters(engine)
+    masters = _models.full_masters(engine)
     shard_numel = sum(layout.shard_numel for layout in engine.stage.layouts)
     result = {
         "rank": rank,

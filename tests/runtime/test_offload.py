@@ -15,7 +15,6 @@ parameters before update t-1 -- exactly what delayed_param_update promises.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from pathlib import Path
@@ -23,42 +22,31 @@ from pathlib import Path
 import pytest
 
 from ._offload_cases import OCase, matrix, resume_cases
-from ._spawn import spawn_ranks
+from ._spawn import results_per_world
 
 WORLDS = (1, 2)
 HERE = Path(__file__).resolve().parent
 
 
+def _nvme_dir(base: Path) -> list[str]:
+    (base / "nvme").mkdir()
+    return [str(base / "nvme")]
+
+
+def _nvme_left(base: Path, results: dict) -> None:
+    results["_nvme_left"] = sorted(os.listdir(base / "nvme"))
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
-    cache: dict[int, dict] = {}
-
-    failed: dict[int, str] = {}
-
-    def get(world: int) -> dict:
-        if world in failed:  # one failed launch fails its tests at once, not one relaunch each
-            raise AssertionError(
-                f"the world {world} launch failed (the first test using it shows why): {failed[world]}"
-            )
-        if world not in cache:
-            base = tmp_path_factory.mktemp(f"offload{world}")
-            nvme = base / "nvme"
-            nvme.mkdir()
-            try:
-                spawn_ranks(
-                    HERE / "_offload_worker.py",
-                    world,
-                    [str(base / "results.json"), str(nvme)],
-                    deadline_s=float(os.environ.get("ZR_TEST_DEADLINE", 240)),
-                )
-            except AssertionError as e:
-                failed[world] = str(e).splitlines()[0]
-                raise
-            cache[world] = json.loads((base / "results.json").read_text())
-            cache[world]["_nvme_left"] = sorted(os.listdir(nvme))
-        return cache[world]
-
-    return get
+    return results_per_world(
+        tmp_path_factory,
+        HERE / "_offload_worker.py",
+        prefix="offload",
+        deadline_s=240,
+        extra_args=_nvme_dir,
+        after=_nvme_left,
+    )
 
 
 def _all() -> list[tuple[int, OCase]]:

@@ -14,13 +14,12 @@ absolute); bf16: fp32 quantities x10, 16-bit values one bf16 ulp (2^-7) of the l
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 import pytest
 
-from ._spawn import spawn_ranks
+from ._spawn import results_per_world
 
 HERE = Path(__file__).resolve().parent
 # ZR_S3_WORLDS narrows the launches (scripts/gpu_checks.sh: world 1 on NCCL, 2 and 4 on gloo).
@@ -32,31 +31,7 @@ BUILDS = ["build-init", "build-load", "build-reentrant"]
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
-    cache: dict[int, dict] = {}
-
-    failed: dict[int, str] = {}
-
-    def get(world: int) -> dict:
-        if world in failed:  # one failed launch fails its tests at once, not one relaunch each
-            raise AssertionError(
-                f"the world {world} launch failed (the first test using it shows why): {failed[world]}"
-            )
-        if world not in cache:
-            out = tmp_path_factory.mktemp(f"s3w{world}") / "results.json"
-            try:
-                spawn_ranks(
-                    HERE / "_s3_worker.py",
-                    world,
-                    [str(out)],
-                    deadline_s=float(os.environ.get("ZR_TEST_DEADLINE", 300)),
-                )
-            except AssertionError as e:
-                failed[world] = str(e).splitlines()[0]
-                raise
-            cache[world] = json.loads(out.read_text())
-        return cache[world]
-
-    return get
+    return results_per_world(tmp_path_factory, HERE / "_s3_worker.py", prefix="s3w", deadline_s=300)
 
 
 def _check_equivalence(r: dict, world: int, name: str) -> None:
