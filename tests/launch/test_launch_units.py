@@ -18,8 +18,10 @@ import pytest
 from zerorun.errors import LaunchError
 from zerorun.launch import events
 from zerorun.launch.console import PlainConsole, RichConsole, flatten_breakdown, format_bytes
+from zerorun.launch.hang import hang_report, innermost_user_frame
 from zerorun.launch.hosts import Host, local_hosts
 from zerorun.launch.local import choose_free_port, port_is_free
+from zerorun.launch.messages import NodeLost, RankEvent, RankExit, RankOutput, RankStarted
 from zerorun.launch.plan import (
     DeviceInfo,
     LaunchOptions,
@@ -29,18 +31,8 @@ from zerorun.launch.plan import (
     parse_rank_filter,
     parse_visible_devices,
 )
-from zerorun.launch.supervisor import (
-    NodeLost,
-    RankEvent,
-    RankExit,
-    RankOutput,
-    RankStarted,
-    Supervisor,
-    describe_exit,
-    exit_code_for,
-    hang_report,
-    innermost_user_frame,
-)
+from zerorun.launch.result import JobResult, RankState, describe_exit, exit_code_for
+from zerorun.launch.supervisor import Supervisor
 
 CPU = DeviceInfo(gpus=(), cores=8)
 TARGET = Target(script="train.py", args=("--lr", "1"))
@@ -133,6 +125,11 @@ def test_exit_decoding() -> None:
     assert "/dev/shm too small" in describe_exit(-7)
     assert describe_exit(-6).startswith("signal 6 (SIGABRT)")
     assert exit_code_for(3) == 3 and exit_code_for(-9) == 137 and exit_code_for(-15) == 143
+    # The names moved out of supervisor.py stay importable from it (runners and user code).
+    from zerorun.launch import supervisor
+
+    assert supervisor.RankExit is RankExit and supervisor.describe_exit is describe_exit
+    assert supervisor.hang_report is hang_report and supervisor.JobResult is JobResult
 
 
 def test_events_over_a_pipe() -> None:
@@ -186,8 +183,6 @@ def test_hang_analysis() -> None:
     ]
     assert innermost_user_frame(dump) == "train.py:40 in all_reduce_step"
     assert innermost_user_frame([]) is None
-    from zerorun.launch.supervisor import RankState
-
     plan = _plan(local_hosts(3))
     states = [RankState(spec) for spec in plan.ranks]
     for s, where in zip(states, ("a", "a", "b"), strict=True):
@@ -216,8 +211,6 @@ def test_console_rendering() -> None:
     plan = _plan(num_gpus=2)
     out, err = io.StringIO(), io.StringIO()
     console = PlainConsole(ranks=frozenset({1}), out=out, err=err)
-    from zerorun.launch.supervisor import JobResult, RankState
-
     states = [RankState(spec) for spec in plan.ranks]
     console.begin(plan, states)
     console.output([RankOutput(0, "stdout", "hidden"), RankOutput(1, "stdout", "a"), RankOutput(1, "stderr", "b")])

@@ -102,8 +102,8 @@ class Agent:
     def start(self, msg: dict[str, Any]) -> None:
         from zerorun.errors import ZerorunError
         from zerorun.launch.local import LocalRunner
+        from zerorun.launch.messages import RankEvent, RankExit, RankOutput, RankStarted
         from zerorun.launch.plan import default_omp_threads
-        from zerorun.launch.supervisor import RankEvent, RankExit, RankOutput, RankStarted
 
         self.heartbeat_s = float(msg.get("heartbeat_s", 1.0))
         self.heartbeat_timeout_s = float(msg.get("heartbeat_timeout_s", 10.0))

@@ -18,8 +18,9 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import IO, Any, Literal
 
+from zerorun.launch.messages import RankOutput
 from zerorun.launch.plan import LaunchPlan
-from zerorun.launch.supervisor import JobResult, RankOutput, RankState, describe_exit
+from zerorun.launch.result import JobResult, RankState, describe_exit
 
 __all__ = ["PlainConsole", "RichConsole", "make_console", "format_bytes", "flatten_breakdown"]
 

@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 
 from zerorun.errors import LaunchError
 from zerorun.launch import events
+from zerorun.launch.messages import RankEvent, RankExit, RankOutput, RankStarted, Sink
 from zerorun.launch.plan import DeviceInfo, LaunchPlan, NodePlan, RankSpec, parse_visible_devices
-from zerorun.launch.supervisor import RankEvent, RankExit, RankOutput, RankStarted, Sink
 
 __all__ = ["LocalRunner", "detect_devices", "job_processes", "kill_job_processes", "port_is_free", "choose_free_port"]
 

@@ -211,7 +211,7 @@ class SshRunner:
         threading.Thread(target=self._heartbeat, name=f"ssh-hb-{self.channel.alias}", daemon=True).start()
 
     def _pump(self) -> None:
-        from zerorun.launch.supervisor import RankEvent, RankExit, RankOutput, RankStarted
+        from zerorun.launch.messages import RankEvent, RankExit, RankOutput, RankStarted
 
         assert self._sink is not None
         while True:
@@ -250,7 +250,7 @@ class SshRunner:
                 return
 
     def _lose(self, reason: str) -> None:
-        from zerorun.launch.supervisor import NodeLost
+        from zerorun.launch.messages import NodeLost
 
         if self._lost or self._sink is None or len(self._exited) == len(self.node.ranks):
             return
