@@ -31,7 +31,7 @@ from .sharded import resolve_tag
 from .store import CheckpointReader
 
 __all__ = [
-    "OutputTensor",
+    "output_tensors",
     "plan_shards",
     "shard_names",
     "write_state_dict",
@@ -45,28 +45,10 @@ FORMATS = ("safetensors", "torch")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-@dataclass(frozen=True)
-class OutputTensor:
-    name: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-
-    @property
-    def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * torch.empty((), dtype=self.dtype).element_size()
-
-
-def plan_shards(tensors: Sequence[OutputTensor], max_shard_size: int) -> list[list[OutputTensor]]:
+def plan_shards(tensors: Sequence[TensorEntry], max_shard_size: int) -> list[list[TensorEntry]]:
     """Greedy, in order (Hugging Face's rule): a new shard starts when the next tensor would
     push the current one past `max_shard_size`; a tensor larger than that gets its own shard."""
-    shards: list[list[OutputTensor]] = [[]]
+    shards: list[list[TensorEntry]] = [[]]
     size = 0
     for t in tensors:
         if shards[-1] and size + t.nbytes > max_shard_size:
@@ -87,8 +69,8 @@ def shard_names(fmt: str, n: int) -> tuple[list[str], str | None]:
 
 def write_state_dict(
     out_dir: Path,
-    tensors: Sequence[OutputTensor],
-    produce: Callable[[OutputTensor], torch.Tensor],
+    tensors: Sequence[TensorEntry],
+    produce: Callable[[TensorEntry], torch.Tensor],
     *,
     fmt: str = "safetensors",
     max_shard_size: int = 5 * 10**9,
@@ -111,8 +93,7 @@ def write_state_dict(
     for shard, fname in zip(shards, names, strict=True):
         path = out_dir / fname
         if fmt == "safetensors":
-            entries = [TensorEntry(t.name, t.dtype, t.shape) for t in shard]
-            with StreamWriter(path, entries, {"format": "pt"}) as w:
+            with StreamWriter(path, shard, {"format": "pt"}) as w:
                 for t in shard:
                     w.write(t.name, _checked(produce(t), t))
         else:
@@ -139,7 +120,7 @@ def write_state_dict(
     return written
 
 
-def _checked(t: torch.Tensor, spec: OutputTensor) -> torch.Tensor:
+def _checked(t: torch.Tensor, spec: TensorEntry) -> torch.Tensor:
     if t.dtype != spec.dtype or t.numel() != spec.numel:
         raise CheckpointError(f"internal: tensor {spec.name!r} came out as {t.dtype} {list(t.shape)}")
     return t
@@ -190,18 +171,24 @@ def _tag_dir(ckpt_dir: str | os.PathLike[str], tag: str | None) -> Path:
     return root / resolved
 
 
-def _output_tensors(meta: CheckpointMeta, dtype: str | None) -> tuple[list[OutputTensor], dict[str, str]]:
-    if dtype is not None and dtype not in DTYPES:
-        raise CheckpointError(f"unknown dtype {dtype!r}: use one of {', '.join(DTYPES)}")
-    tensors: list[OutputTensor] = []
+def output_tensors(meta: CheckpointMeta, dtype: torch.dtype | None) -> tuple[list[TensorEntry], dict[str, str]]:
+    """The tensors of the model's state dict, in order: parameters then buffers, floating ones
+    in ``dtype`` (None: the dtype they trained in); and each name's kind (weight or buffer)."""
+    tensors: list[TensorEntry] = []
     kinds: dict[str, str] = {}
     for infos, kind in ((meta.params, WEIGHT), (meta.buffers, BUFFER)):
         for p in infos:
             trained = dtype_from_name(p.dtype)
-            out = (DTYPES[dtype] if dtype is not None else trained) if trained.is_floating_point else trained
-            tensors.append(OutputTensor(p.name, p.shape, out))
+            out = (dtype or trained) if trained.is_floating_point else trained
+            tensors.append(TensorEntry(p.name, out, p.shape))
             kinds[p.name] = kind
     return tensors, kinds
+
+
+def _output_tensors(meta: CheckpointMeta, dtype: str | None) -> tuple[list[TensorEntry], dict[str, str]]:
+    if dtype is not None and dtype not in DTYPES:
+        raise CheckpointError(f"unknown dtype {dtype!r}: use one of {', '.join(DTYPES)}")
+    return output_tensors(meta, DTYPES[dtype] if dtype is not None else None)
 
 
 def consolidate(

@@ -18,8 +18,9 @@ import torch
 
 from zerorun.errors import CheckpointError
 
-from .consolidate import OutputTensor, write_state_dict
-from .format import BUFFER, WEIGHT, Fragment, dtype_from_name, owned_pieces
+from .consolidate import output_tensors, write_state_dict
+from .format import BUFFER, WEIGHT, Fragment, owned_pieces
+from .safetensors_stream import TensorEntry
 
 __all__ = ["save_full_model"]
 
@@ -51,16 +52,9 @@ def save_full_model(
         if f.kind in (WEIGHT, BUFFER):
             by_name.setdefault((f.name, f.kind), []).append((f, s, e))
     fmt = "safetensors" if save_filename.endswith(".safetensors") else "torch"
-    tensors: list[OutputTensor] = []
-    kinds: dict[str, str] = {}
-    for infos, kind in ((meta.params, WEIGHT), (meta.buffers, BUFFER)):
-        for p in infos:
-            trained = dtype_from_name(p.dtype)
-            out = (dtype or trained) if trained.is_floating_point else trained
-            tensors.append(OutputTensor(p.name, p.shape, out))
-            kinds[p.name] = kind
+    tensors, kinds = output_tensors(meta, dtype)
 
-    def assemble(t: OutputTensor) -> torch.Tensor:
+    def assemble(t: TensorEntry) -> torch.Tensor:
         pieces = by_name.get((t.name, kinds[t.name]), [])
         src_dtype = pieces[0][0].tensor.dtype if pieces else t.dtype
         # one dtype on every rank for the reduce: fp32 for floating tensors (exact for 16-bit
