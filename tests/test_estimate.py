@@ -163,7 +163,16 @@ def test_buffers_are_a_separate_capped_term():
     assert s3.buffers["gpu"]["prefetch_bucket"] == 2 * 10**7
     assert s3.buffers["gpu"]["live_params"] == 2 * 10**8
     assert s3.buffers["gpu"]["largest_layer"] == 10**6 * (2 + 4)
-    assert s3.buffers["gpu"]["reduce_staging"] == 3 * 5 * 10**8 * 4
+    # stage 3 stages whole parameter groups (modules), bounded by --largest-layer, not the bucket size
+    assert s3.buffers["gpu"]["reduce_staging"] == 3 * 10**6 * 4
+    no_layer = model_state_bytes(10**9, 8, load_config(_mixed(3)))
+    assert no_layer.buffers["gpu"]["reduce_staging"] == 3 * 5 * 10**8 * 4
+    assert any("no parameter group" in note for note in no_layer.notes)
+    # stage 2 caps its flat buffers at 5e7 elements whatever reduce_bucket_size says
+    assert model_state_bytes(10**9, 8, load_config(_mixed(2))).buffers["gpu"]["reduce_staging"] == 3 * 5 * 10**7 * 4
+    # one rank reduces in place: no staging at any stage
+    assert "reduce_staging" not in model_state_bytes(20_000, 1, cfg).buffers["gpu"]
+    assert "reduce_staging" not in model_state_bytes(10**9, 1, load_config(_mixed(3))).buffers["gpu"]
 
 
 def test_inputs_and_table():

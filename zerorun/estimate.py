@@ -360,20 +360,23 @@ def _buffers(
     # are staged in a buffer that is reduce-scattered and freed, with up to _REDUCE_STAGING of
     # them alive (runtime/grad_reduce.py: 2 in flight + the one being filled). A bucket holds
     # whole parameters, so it is at least the largest parameter: --largest-layer bounds that.
-    if stage >= 2:
+    if stage >= 2 and n > 1:  # one rank accumulates into its shard directly: no staging
         if stage == 2:
             # Stages 0-2 cap a flat buffer at 5e7 elements whatever reduce_bucket_size says
             # (runtime/stages.py MAX_FLAT_NUMEL: earlier reduce-scatters, bounded staging).
-            reduce = min(reduce, _MAX_FLAT_NUMEL)
-        bucket = min(max(reduce, largest_layer or 0), psi)
+            bucket = min(max(min(reduce, _MAX_FLAT_NUMEL), largest_layer or 0), psi)
+        else:
+            # Stage 3 stages one parameter group (a module) per reduce-scatter, whatever
+            # reduce_bucket_size says (runtime/stage3/hooks.py): --largest-layer bounds it.
+            bucket = min(largest_layer or reduce, psi)
         # One bucket when the model fits in one; otherwise parameters larger than the bucket
         # make more buckets than Ψ / bucket, so count the full three.
         count = (1 if psi <= bucket else _REDUCE_STAGING) if bucket else 0
         gpu["reduce_staging"] = float(count * bucket * bpe.grads)
-        if largest_layer is None and reduce < psi:
+        if largest_layer is None and bucket < psi:
             notes.append(
-                "reduce staging assumes no parameter is larger than reduce_bucket_size; "
-                "give --largest-layer for a bound that holds for any model"
+                "reduce staging assumes no parameter (at stage 3: no parameter group) is larger than "
+                "reduce_bucket_size; give --largest-layer for a bound that holds for any model"
             )
     if stage == 3:
         gpu["prefetch_bucket"] = float(min(prefetch, psi) * bpe.params)
