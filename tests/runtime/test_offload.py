@@ -133,6 +133,39 @@ def test_host_memory_is_reported(results, world: int) -> None:  # noqa: ANN001
 
 
 @pytest.mark.parametrize("world", WORLDS, ids=[f"w{w}" for w in WORLDS])
+def test_offloaded_memory_matches_estimate(results, world: int) -> None:  # noqa: ANN001
+    """zerorun.estimate (Contract 4) for the same config, with Ψ = this rank's shard × N (so
+    Ψ/N has no padding): fp32 masters and optimizer states where the config puts them (also
+    in fp32 training), the fp32 host gradient copy, and at stage 3 the 16-bit (or fp32)
+    parameter slices. On a CPU-only run the training device is the host too, so the
+    estimate's GPU terms between steps (gradients freed) count under "cpu"."""
+    from zerorun.estimate import model_state_bytes
+
+    from ._offload_worker import config_for, make_model
+
+    checked = 0
+    for case in matrix(world):
+        if case.optim == "sgd" or case.device == "none" and case.param == "none":
+            continue
+        for x in results(world)[case.name]["ranks"]:
+            mem = x["memory"]
+            if set(mem) - {"cpu", "nvme"}:
+                continue  # a GPU run: the placement-specific tests above cover it
+            est = model_state_bytes(x["shard_numel"] * world, world, config_for(case, "/nvme"))
+            frozen = sum(p.numel() for p in make_model(case, 0).parameters() if not p.requires_grad)
+            for term in ("master", "optimizer_states", "grads") + (("params",) if case.stage == 3 else ()):
+                on_device = 0.0 if term == "grads" else est.terms["gpu"][term]
+                expected = {"cpu": on_device + est.terms["cpu"][term], "nvme": est.terms["nvme"][term]}
+                for where, want in expected.items():
+                    got = mem.get(where, {}).get(term, 0)
+                    if term == "params" and where == "cpu":  # + frozen parameters (replicated, not in Ψ)
+                        want += frozen * (4 if case.dtype == "fp32" else 2)
+                    assert got == want, (case.name, where, term, got, want, est.formulas[term])
+            checked += 1
+    assert checked >= world
+
+
+@pytest.mark.parametrize("world", WORLDS, ids=[f"w{w}" for w in WORLDS])
 def test_nvme_files_are_cleaned_up(results, world: int) -> None:  # noqa: ANN001
     assert results(world)["_nvme_left"] == []
 
