@@ -25,6 +25,7 @@ launcher's config reaches `zerorun.initialize` through `ZERORUN_CONFIG_JSON`.
 
 from __future__ import annotations
 
+import atexit
 import faulthandler
 import json
 import os
@@ -34,7 +35,7 @@ import signal
 import sys
 import threading
 import traceback
-from typing import Any
+from typing import Any, NoReturn
 
 from zerorun.launch import events
 
@@ -76,10 +77,11 @@ def main(argv: list[str] | None = None) -> None:
     interval = _memory_interval()
     if events.connected() and interval > 0:
         threading.Thread(target=_report_memory, args=(interval,), name="zerorun-memory", daemon=True).start()
+    code = 0
     try:
         _run_target(args)
-    except SystemExit:
-        raise
+    except SystemExit as exc:
+        code = _exit_status(exc)
     except KeyboardInterrupt:
         raise
     except BaseException as exc:  # noqa: BLE001 - reported, printed like Python does, exit 1
@@ -99,10 +101,49 @@ def main(argv: list[str] | None = None) -> None:
                 "zerorun: this script imports deepspeed: launch it with `zerorun --deepspeed-compat ...` to "
                 "run it on zerorun's DeepSpeed compatibility layer (no DeepSpeed install needed)\n"
             )
-        sys.exit(1)
+        code = 1
     finally:
         if events.connected():
             events.emit("memory", final=True, **memory_snapshot())
+    _finish(code)
+
+
+def _exit_status(exc: SystemExit) -> int:
+    """The status `python SCRIPT` exits with for this SystemExit (a message means 1)."""
+    if exc.code is None:
+        return 0
+    if isinstance(exc.code, int):
+        return exc.code & 0xFF
+    print(exc.code, file=sys.stderr)
+    return 1
+
+
+def _finish(code: int) -> NoReturn:
+    """Exit with the script's status, doing Python's part of shutdown and skipping the rest.
+
+    torch's gloo process group can abort the interpreter's final teardown ("terminate called
+    without an active exception", SIGABRT) when a script exits without destroying it -- e.g.
+    `sys.exit(3)` after a peer failed -- and the launcher would then report SIGABRT instead of
+    the script's own status. So: join non-daemon threads and run atexit handlers as
+    Py_Finalize would, flush Python's and C's buffers, then `os._exit`.
+    """
+    try:
+        threading._shutdown()  # type: ignore[attr-defined]  # what Py_Finalize calls first
+    except Exception:  # noqa: BLE001 - best effort; exiting matters more
+        pass
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).fflush(None)  # native code's buffered stdio (e.g. printf from C++)
+    except (OSError, AttributeError):
+        pass
+    os._exit(code)
 
 
 def _run_target(args: list[str]) -> None:
