@@ -26,8 +26,9 @@ if [[ ! -x .venv/bin/python ]] || ! .venv/bin/python -m pip --version >/dev/null
   rm -rf .venv
   "$PY" -m venv .venv
 fi
-# torch first, pinned: a bare `torch` requirement would pull a multi-GB CUDA build where a
-# CPU wheel is what this machine has.
+# torch first, pinned to the release our CI machines carry as a local CPU wheel (pip finds it
+# there before any index); on other Linux machines this is PyPI's default (CUDA) build. A bare
+# `torch` requirement from pyproject would otherwise pull whatever build is newest.
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   .venv/bin/python -m pip install -q --disable-pip-version-check "torch==2.13.0" numpy
 fi

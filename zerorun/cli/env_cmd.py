@@ -120,6 +120,7 @@ def _nvidia_driver() -> str | None:
 def collect_env() -> dict[str, Any]:
     """Everything the report shows, as plain data (also the `--json` output)."""
     from zerorun import __version__
+    from zerorun.launch.environment import redact_env
 
     return {
         "zerorun": __version__,
@@ -133,7 +134,10 @@ def collect_env() -> dict[str, Any]:
         "host": _host(),
         "dev_shm": _shm(),
         "memlock_limit_bytes": _memlock(),
-        "environment": {k: v for k, v in sorted(os.environ.items()) if k.startswith(_VARIABLE_PREFIXES)},
+        # Pasted into bug reports: secret-looking values (tokens, keys, passwords) are redacted.
+        "environment": redact_env(
+            {k: v for k, v in sorted(os.environ.items()) if k.startswith(_VARIABLE_PREFIXES)}
+        ),
     }
 
 

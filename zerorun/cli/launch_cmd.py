@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shlex
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -483,7 +484,10 @@ def _print_dry_run(plan: Any, redact: Any) -> None:
     out = sys.stdout.write
     out(f"zerorun dry run {plan.run_id}: {plan.world_size} rank(s), {len(plan.nodes)} node(s), "
         f"device {plan.device}, backend {plan.backend}, master {plan.master_addr}:{plan.master_port}\n")
-    out(f"command: {' '.join(plan.rank_argv(plan.ranks[0], 'python'))}\n")
+    from zerorun.launch.environment import scrub
+
+    # Script arguments may carry a secret that is also in the environment (--hf_token $HF_TOKEN).
+    out(f"command: {scrub(shlex.join(plan.rank_argv(plan.ranks[0], 'python')), os.environ)}\n")
     head = ["rank", "local", "node", "host", "device", "CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS"]
     rows = []
     for spec in plan.ranks:
