@@ -250,9 +250,11 @@ def _launch(options: LaunchOptions) -> int:
     from zerorun.launch.hosts import local_hosts, parse_hostfile, select_hosts
     from zerorun.launch.supervisor import Supervisor
 
-    _check_target(options.target)
     loaded, config_path, config_json, section, config_dir = _load_config(options)
     options = options.merged(section, base_dir=config_dir)
+    if options.hostfile is None or options.remote_cwd is None:
+        # With --remote_cwd the script is a path on the nodes: their preflight checks it there.
+        _check_target(options.target)
 
     multinode = options.hostfile is not None
     devices = local.detect_devices()

@@ -162,7 +162,8 @@ def hello(msg: dict[str, Any]) -> dict[str, Any]:
         "gpus": _gpu_count(),
     }
     script = msg.get("script")
-    if script and not os.path.isfile(script):
+    runnable = script and (os.path.isfile(script) or os.path.isfile(os.path.join(script, "__main__.py")))
+    if script and not runnable:  # `python DIR` runs DIR/__main__.py, as the launcher's own check allows
         info["error"] = (
             f"the script {script} does not exist there (working directory {os.getcwd()}). Every "
             "node needs the code at the same path: a shared file system, or copy it first."
