@@ -87,6 +87,7 @@ class Engine:
         events = _events()
         if events is not None and hasattr(events, "set_memory_provider"):
             events.set_memory_provider(self.memory_summary)
+        self._expect_backward()
 
     # -- forward ------------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -138,6 +139,16 @@ class Engine:
             self._take_model_step()
         self.micro_steps += 1
         self.global_samples += self.settings.micro_batch * self.comm.world_size
+        self._expect_backward()
+
+    def _expect_backward(self) -> None:
+        # A script may call loss.backward() instead of engine.backward(): the stage's hooks then
+        # open the reduction themselves and must know whether this micro-step ends the
+        # accumulation window (reduce now / final for the optimizer) and whether it is the first.
+        self.stage.expect_backward(
+            boundary=self.is_gradient_accumulation_boundary(),
+            first_micro=self.micro_steps % self._accum == 0,
+        )
 
     def _take_model_step(self) -> None:
         grads = self.stage.grad_shards()

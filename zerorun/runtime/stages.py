@@ -86,6 +86,12 @@ class FlatStage:
     def begin_backward(self, *, boundary: bool, first_micro: bool) -> None:
         self.reducer.begin(boundary=boundary, first_micro=first_micro)
 
+    def expect_backward(self, *, boundary: bool, first_micro: bool) -> None:
+        """What the next micro-step is, for a backward the engine does not see start (a script
+        calling `loss.backward()` itself): the first gradient hook opens the reduction with it."""
+        self.reducer.boundary = boundary
+        self.reducer.first_micro = first_micro
+
     def end_backward(self) -> None:
         self.reducer.end_backward()
 

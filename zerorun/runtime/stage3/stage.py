@@ -61,6 +61,11 @@ class Stage3:
         # the hooks when a reduced shard is final (grad_ready for an offload placement).
         self.hooks.boundary = boundary
 
+    def expect_backward(self, *, boundary: bool, first_micro: bool) -> None:
+        """What the next micro-step is, for a backward the engine does not see start (a script
+        calling `loss.backward()` itself)."""
+        self.begin_backward(boundary=boundary, first_micro=first_micro)
+
     def end_backward(self) -> None:
         if self.hooks.backward_open:  # the final callback did not run (backward without hooks)
             self.hooks.finish_backward()
