@@ -72,13 +72,36 @@ def run(zero: dict, rank: int, world: int) -> float:
     return max(float((g - w).abs().max()) for g, w in zip(got, want, strict=True))
 
 
+def shared_across_reentrant_checkpoints(stage: int) -> str:
+    """One Linear used in two reentrant checkpoint segments: its gradient hook fires once per
+    segment. Stages 0-2 must refuse clearly rather than reduce half a gradient."""
+    torch.manual_seed(0)
+    shared = torch.nn.Linear(4, 4)
+    model = torch.nn.Sequential(shared, torch.nn.Linear(4, 1))
+    cfg = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "SGD", "params": {"lr": 1.0}},
+           "zero_optimization": {"stage": stage}}
+    engine, _, _, _ = zerorun.initialize(model=model, config=cfg)
+    from torch.utils.checkpoint import checkpoint
+
+    x = torch.ones(1, 4, requires_grad=True)
+    h = checkpoint(shared, x, use_reentrant=True)
+    h = checkpoint(shared, h, use_reentrant=True)
+    try:
+        engine.backward(engine.module[1](h).sum())
+    except Exception as exc:  # noqa: BLE001 - the message is what the test checks
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
 def main() -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     errors = {}
     for name, zero in CASES.items():
         errors[name] = run(zero, rank, world)
+    refused = {f"shared_reentrant_stage{s}": shared_across_reentrant_checkpoints(s) for s in (1, 2)}
     if rank == 0:
         print("RESULT " + json.dumps(errors), flush=True)
+        print("REFUSED " + json.dumps(refused), flush=True)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -18,3 +18,7 @@ def test_loss_backward_with_accumulation_matches_plain_pytorch() -> None:
     assert set(errors) == {"stage0", "stage1", "stage2", "stage3", "stage2_offload"}
     for name, err in errors.items():
         assert err < 1e-5, f"{name}: weights differ from plain PyTorch by {err}"
+    line = next(ln for ln in results[0][1].splitlines() if ln.startswith("REFUSED "))
+    for name, message in json.loads(line[len("REFUSED "):]).items():
+        assert message.startswith("RuntimeConfigError") and "twice in one backward" in message, (name, message)
+        assert "use_reentrant=False" in message

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from zerorun.errors import RuntimeConfigError
 from zerorun.runtime.collectives import Communicator, Pending
 from zerorun.runtime.flat_params import FlatParamBuffers
 
@@ -151,6 +152,14 @@ class GradReducer:
             if grad is None:
                 return
             slot = self.flat.layouts[i].slots[k]
+            if self._written[i][k]:
+                # Reentrant activation checkpointing runs one backward per segment: a parameter
+                # used in two segments reports twice, after its bucket may already be on the wire.
+                raise RuntimeConfigError(
+                    f"parameter {slot.name!r} received its gradient twice in one backward pass "
+                    "(a module shared between reentrant activation-checkpoint segments?). Use "
+                    "torch.utils.checkpoint.checkpoint(..., use_reentrant=False), or ZeRO stage 3."
+                )
             self._accept(i, k, slot.offset, slot.numel, grad.reshape(-1))
             self._written[i][k] = True
             self._reported[i] += 1
