@@ -112,3 +112,19 @@ def test_save_16bit_model_at_stage3_needs_the_gather_flag(tmp_path, caplog):
         assert save_16bit_model(engine, tmp_path, "pytorch_model.bin") is False
     assert "stage3_gather_16bit_weights_on_model_save: true" in caplog.text
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_tag_left_only_under_its_replaced_name_is_put_back(tmp_path):
+    """Re-saving a tag without an atomic exchange renames the old copy to `.tmp-old-TAG` first;
+    a crash before the new copy lands leaves only that: load and the next save restore it
+    instead of treating it as a stale leftover."""
+    old = tmp_path / f"{atomic.TMP_PREFIX}old-global_step4"
+    old.mkdir()
+    (old / "rank0.safetensors").write_bytes(b"complete")
+    (tmp_path / f"{atomic.TMP_PREFIX}global_step4").mkdir()  # the new copy, half written
+    atomic.write_latest(tmp_path, "global_step4")
+    assert resolve_tag(tmp_path, None) == "global_step4"
+    assert (tmp_path / "global_step4" / "rank0.safetensors").read_bytes() == b"complete"
+    removed = atomic.remove_stale_tmp_dirs(tmp_path)
+    assert [p.name for p in removed] == [f"{atomic.TMP_PREFIX}global_step4"]
+    assert (tmp_path / "global_step4").is_dir()

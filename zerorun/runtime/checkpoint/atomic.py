@@ -83,11 +83,33 @@ def stale_tmp_dirs(save_dir: Path) -> list[Path]:
 
 def remove_stale_tmp_dirs(save_dir: Path) -> list[Path]:
     """Delete leftovers of interrupted saves (saves are collective and one at a time, so any
-    ``.tmp-*`` present when a new save starts belongs to a save that died)."""
+    ``.tmp-*`` present when a new save starts belongs to a save that died) -- except a replaced
+    tag that a crash left only under its ``.tmp-old-TAG`` name: that one is put back first."""
+    restore_replaced_tags(save_dir)
     removed = stale_tmp_dirs(save_dir)
     for p in removed:
         shutil.rmtree(p, ignore_errors=True)
     return removed
+
+
+def restore_replaced_tags(save_dir: Path) -> list[Path]:
+    """Undo a re-save of a tag that died between `commit_dir`'s two renames (filesystems without
+    an atomic exchange): the tag is missing and its complete previous copy is ``.tmp-old-TAG``.
+    Called before a save cleans up and before a load looks a tag up."""
+    restored = []
+    prefix = f"{TMP_PREFIX}old-"
+    for p in stale_tmp_dirs(save_dir):
+        if p.name.startswith(prefix):
+            final = p.with_name(p.name[len(prefix):])
+            if not final.exists():
+                try:
+                    os.rename(p, final)
+                except FileNotFoundError:
+                    continue  # another rank sharing this directory put it back first
+                restored.append(final)
+    if restored:
+        fsync_dir(save_dir)
+    return restored
 
 
 _RENAME_EXCHANGE = 2

@@ -204,6 +204,7 @@ def save_checkpoint(
 
 def resolve_tag(load_dir: Path, tag: str | None) -> str | None:
     """The tag to load: the given one, else `latest`'s; None when there is no checkpoint yet."""
+    atomic.restore_replaced_tags(load_dir)  # a re-save of a tag that died mid-replace
     stale = atomic.stale_tmp_dirs(load_dir)
     if stale:
         log.warning(
