@@ -112,7 +112,10 @@ def _run_once(
         logs.append(log)
         procs.append(
             subprocess.Popen(
-                [sys.executable, *argv],
+                # Through zerorun's shim, as real ranks start: it runs the script exactly as
+                # `python SCRIPT` would, but exits with the script's status without the C++
+                # teardown in which torch 2.13's gloo can abort (SIGABRT instead of the status).
+                [sys.executable, "-m", "zerorun.shim", *argv],
                 env=env,
                 cwd=str(REPO),
                 stdout=log,
