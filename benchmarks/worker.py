@@ -393,5 +393,8 @@ def run_worker(args: WorkerArgs) -> int:
     import torch.distributed as dist
 
     if dist.is_initialized():
+        # Every rank past its last collective before teardown: torch 2.13's gloo can abort a
+        # process that tears down while a peer's connection is still in use.
+        dist.barrier()
         dist.destroy_process_group()
     return 0
