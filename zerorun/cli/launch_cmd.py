@@ -10,7 +10,6 @@ No torch at module level: `zerorun --help` must start fast.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import shlex
 import sys
@@ -24,6 +23,7 @@ from zerorun import __version__
 from zerorun.cli.errors import report_errors
 from zerorun.errors import ConfigError, LaunchError
 from zerorun.launch.plan import LaunchOptions, Target
+from zerorun.launch.target import check_target
 
 __all__ = ["app", "typer_app", "normalize_argv", "main"]
 
@@ -254,7 +254,7 @@ def _launch(options: LaunchOptions) -> int:
     options = options.merged(section, base_dir=config_dir)
     if options.hostfile is None or options.remote_cwd is None:
         # With --remote_cwd the script is a path on the nodes: their preflight checks it there.
-        _check_target(options.target)
+        check_target(options.target)
 
     multinode = options.hostfile is not None
     devices = local.detect_devices()
@@ -372,73 +372,6 @@ def _local_rank_arg(options: LaunchOptions) -> str | None:
         return declared_local_rank_arg(path.read_text(encoding="utf-8", errors="replace")) or fallback
     except OSError:
         return fallback
-
-
-def _check_target(target: Target) -> None:
-    if target.module is not None:
-        _check_module(target.module)
-        return
-    from zerorun.launch.plan import is_python_file
-
-    path = Path(str(target.script))
-    if not path.exists():
-        hint = ""
-        if not str(target.script).endswith(".py") and Path(f"{target.script}.py").exists():
-            hint = f" Did you mean {target.script}.py?"
-        elif "." in str(target.script) and "/" not in str(target.script) and not str(target.script).endswith(".py"):
-            hint = f" To run a module, write -m {target.script}."
-        raise LaunchError(f"script {target.script} not found (working directory {os.getcwd()}).{hint}")
-    if path.is_dir():
-        if (path / "__main__.py").is_file():
-            return  # python DIR runs DIR/__main__.py
-        raise LaunchError(f"{target.script} is a directory without __main__.py; give the script inside it.")
-    if not is_python_file(path):
-        raise LaunchError(
-            f"{target.script} is not a Python file (no .py suffix, no python #! line). zerorun runs "
-            "Python scripts in every rank; for a module use -m NAME."
-        )
-    if not os.access(path, os.R_OK):
-        raise LaunchError(f"script {target.script} is not readable (check its permissions).")
-    try:
-        # Compiling costs milliseconds; a syntax error found here starts no rank at all.
-        compile(path.read_bytes(), str(path), "exec", dont_inherit=True)
-    except SyntaxError as err:
-        where = f"{err.filename}:{err.lineno}" + (f":{err.offset}" if err.offset else "")
-        line = f"\n    {err.text.rstrip()}" if err.text else ""
-        raise LaunchError(f"{where}: {err.msg} (the script does not compile; no rank was started){line}") from None
-    except (OSError, ValueError):
-        pass  # unreadable or NUL bytes: let python report it in the rank
-
-
-def _check_module(module: str) -> None:
-    """Is `module` importable from here, as the ranks will see it (cwd first on sys.path)?
-    Walks the file system instead of importing, so no package code runs in the launcher."""
-    parts = module.split(".")
-    if not all(p.isidentifier() for p in parts):
-        raise LaunchError(f"-m {module}: not a module name (dotted Python identifiers, e.g. pkg.train).")
-    sys.path.insert(0, os.getcwd())
-    try:
-        spec = importlib.util.find_spec(parts[0])
-    except (ImportError, ValueError):
-        spec = None
-    finally:
-        sys.path.pop(0)
-    if spec is None:
-        raise LaunchError(f"-m {module}: no module named {parts[0]!r} (searched the working directory and sys.path).")
-    locations = list(spec.submodule_search_locations or [])
-    for depth, part in enumerate(parts[1:], start=1):
-        found = None
-        for loc in locations:
-            base = Path(loc) / part
-            if (base / "__init__.py").is_file() or base.is_dir():
-                found = [str(base)]
-                break
-            if base.with_suffix(".py").is_file():
-                found = []
-                break
-        if found is None:
-            raise LaunchError(f"-m {module}: no module named {'.'.join(parts[: depth + 1])!r}.")
-        locations = found
 
 
 def _load_config(options: LaunchOptions) -> tuple[Any, str | None, str | None, dict[str, Any], Path | None]:
