@@ -1,6 +1,6 @@
 """Start N real ranks of a script the way torchrun (or srun) would -- environment only -- with a
 deadline. Shared by the test packages that spawn ranks without a launcher (tests/runtime,
-tests/checkpoint); pytest puts tests/ on sys.path, so they import it as ``_ranks``.
+tests/runtime/checkpoint); pytest puts tests/ on sys.path, so they import it as ``_ranks``.
 
 The ranks run in their own session so a hung or failed job is killed as a whole process group
 (pytest-timeout cannot interrupt a rank stuck in a collective; test-machine-facts.md).

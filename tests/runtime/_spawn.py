@@ -1,6 +1,6 @@
 """Start N real ranks of a script the way torchrun would (environment only), with a deadline;
 a failed or hung job is an AssertionError with every rank's output. The spawning itself is
-tests/_ranks.py (shared with tests/checkpoint)."""
+tests/_ranks.py (shared with tests/runtime/checkpoint)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,38 @@
+"""launch/wire.py: the launcher<->agent line codec and the plan sent over it."""
+
+from __future__ import annotations
+
+from zerorun.launch import wire
+from zerorun.launch.hosts import parse_hostfile_text
+from zerorun.launch.plan import DeviceInfo, LaunchOptions, Target, build_plan
+
+
+def test_wire_lines_and_banners() -> None:
+    line = wire.encode("out", rank=3, stream="stdout", line="héllo {json} \x00")
+    assert line.endswith(b"\n") and line.count(b"\n") == 1
+    assert wire.decode(line) == {"t": "out", "rank": 3, "stream": "stdout", "line": "héllo {json} \x00"}
+    assert wire.decode(b"Welcome to node1! Last login: ...") is None
+    assert wire.decode(b"[1, 2]") is None and wire.decode(b'{"no": "type"}') is None
+
+
+def test_plan_round_trips_through_the_wire() -> None:
+    hosts = parse_hostfile_text("n1 slots=2 GLOO_SOCKET_IFNAME=eth9\nn2 slots=1\n")
+    opts = LaunchOptions(target=Target(script="train.py", args=("--x", "a b", "$(id)")), device="cpu")
+    plan = build_plan(
+        opts,
+        hosts,
+        DeviceInfo(gpus=(), cores=8),
+        master_port=29500,
+        run_id="r1",
+        config_json='{"a": 1}',
+        node_env={"n1": {"NCCL_DEBUG": "INFO"}},
+        cwd="/work",
+    )
+    data = wire.decode(wire.encode("plan", plan=wire.plan_to_dict(plan)))
+    assert data is not None
+    again = wire.plan_from_dict(data["plan"])
+    assert again == plan
+    assert again.rank_env(again.nodes[1].ranks[0]) == plan.rank_env(plan.nodes[1].ranks[0])
+    # Unknown fields from a newer launcher are ignored, not fatal.
+    extra = wire.plan_to_dict(plan) | {"future_field": 1}
+    assert wire.plan_from_dict(extra) == plan
