@@ -24,6 +24,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -55,12 +56,25 @@ class _Channel:
 
 
 class Agent:
-    def __init__(self, channel_fd: int) -> None:
+    """One node's agent. `exit` ends it (the process, normally; the scale simulation hosts many
+    agents in one process and closes the agent's channel instead); `runner_factory(plan, node)`
+    builds the node's runner (default: `LocalRunner`, real rank processes)."""
+
+    def __init__(
+        self,
+        channel_fd: int,
+        *,
+        exit: Callable[[int], None] = os._exit,  # noqa: A002 - what it does
+        runner_factory: Callable[[Any, Any], Any] | None = None,
+    ) -> None:
         self.channel = _Channel(channel_fd, self.die)
         self.runner: Any = None
         self.last_heard = time.monotonic()
         self.heartbeat_s = 1.0
         self.heartbeat_timeout_s = _PRE_PLAN_TIMEOUT_S
+        self.dead = False
+        self._exit = exit
+        self._runner_factory = runner_factory
         self._dying = threading.Lock()
 
     # -- death ------------------------------------------------------------------------------
@@ -75,16 +89,21 @@ class Agent:
             except Exception as err:  # noqa: BLE001 - exiting anyway
                 print(f"zerorun agent: kill failed: {err}", file=sys.stderr)
         print(f"zerorun agent on {socket.gethostname()}: {why}", file=sys.stderr, flush=True)
-        os._exit(code)
+        self.dead = True
+        self._exit(code)
 
     def watchdog(self) -> None:
         while True:
             time.sleep(min(self.heartbeat_s, 1.0))
-            silent = time.monotonic() - self.last_heard
-            if silent > self.heartbeat_timeout_s:
-                self.die(f"no heartbeat from the launcher for {silent:.1f} s; killed this node's ranks", 3)
-            if self.runner is not None:
-                self.channel.send("hb")
+            self.tick(time.monotonic())
+
+    def tick(self, now: float) -> None:
+        """Once per heartbeat: die when the launcher went silent, else say we are alive."""
+        silent = now - self.last_heard
+        if silent > self.heartbeat_timeout_s:
+            self.die(f"no heartbeat from the launcher for {silent:.1f} s; killed this node's ranks", 3)
+        elif self.runner is not None:
+            self.channel.send("hb")
 
     # -- messages ---------------------------------------------------------------------------
 
@@ -124,7 +143,10 @@ class Agent:
             elif isinstance(m, RankExit):
                 self.channel.send("exit", rank=m.rank, code=m.returncode)
 
-        runner = LocalRunner(plan, node, python=sys.executable, environ=os.environ)
+        if self._runner_factory is not None:
+            runner = self._runner_factory(plan, node)
+        else:
+            runner = LocalRunner(plan, node, python=sys.executable, environ=os.environ)
         self.runner = runner
         try:
             runner.start(sink)

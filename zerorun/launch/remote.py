@@ -199,7 +199,7 @@ class SshRunner:
         self._sink = sink
         sent = self.channel.send(
             "plan",
-            plan=wire.plan_to_dict(self.plan),
+            plan=wire.plan_to_dict(self.plan, self.node.node_rank),
             node_rank=self.node.node_rank,
             heartbeat_s=self.options.heartbeat_s,
             heartbeat_timeout_s=self.options.heartbeat_timeout_s,

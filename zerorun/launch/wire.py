@@ -7,8 +7,9 @@ line: no quoting problems, nothing readable in `ps`.
 launcher -> agent (`t` is the message type):
 - `preflight` {version, protocol, check_port: int|null, pick_port: bool, script: str|null}:
   answered by `hello` (an `error` when the script is missing there or the port is busy).
-- `plan` {plan: the whole LaunchPlan (`plan_to_dict`), node_rank, heartbeat_s,
-  heartbeat_timeout_s}: start this node's ranks (through `launch.local.LocalRunner`).
+- `plan` {plan: the LaunchPlan with only this node's entry (`plan_to_dict(plan, node_rank)`;
+  `num_nodes` says how many there are), node_rank, heartbeat_s, heartbeat_timeout_s}: start
+  this node's ranks (through `launch.local.LocalRunner`).
 - `hb` {}: the launcher is alive. No message for `heartbeat_timeout_s` -> the agent kills its
   ranks and exits.
 - `signal` {sig, tree}: send a signal to every live rank, its process group when `tree`
@@ -60,11 +61,18 @@ def decode(line: bytes | str) -> dict[str, Any] | None:
 # defaults, so the codec survives additive changes to the plan's dataclasses.
 
 
-def plan_to_dict(plan: Any) -> dict[str, Any]:
+def plan_to_dict(plan: Any, node_rank: int | None = None) -> dict[str, Any]:
+    """The plan as JSON-able data. With `node_rank`, only that node's entry travels (plus
+    `num_nodes`): an agent needs its own ranks, not the 8,000 rank specs of a 1,000-node job
+    (the whole plan per node would be ~1 MB of JSON each, a GB in all)."""
     import dataclasses
 
+    total = len(plan.nodes)
+    if node_rank is not None:
+        plan = dataclasses.replace(plan, nodes=(plan.nodes[node_rank],))
     data = dataclasses.asdict(plan)
     data["omp_threads"] = {str(k): v for k, v in dict(plan.omp_threads).items()}
+    data["num_nodes"] = total
     return data
 
 
@@ -86,6 +94,10 @@ def plan_from_dict(data: dict[str, Any]) -> Any:
         ranks = tuple(build(RankSpec, r) for r in n["ranks"])
         visible = tuple(n["visible_devices"]) if n.get("visible_devices") is not None else None
         nodes.append(build(NodePlan, n, host=host, ranks=ranks, visible_devices=visible, env=dict(n.get("env", {}))))
+    total = int(data.get("num_nodes") or len(nodes))
+    if total > len(nodes):  # a one-node plan: the other nodes as empty placeholders
+        own = {n.node_rank: n for n in nodes}
+        nodes = [own.get(i) or NodePlan(i, Host(f"node-{i}", ()), (), None, {}) for i in range(total)]
     target = build(Target, data["target"], args=tuple(data["target"].get("args", ())))
     omp = {int(k): int(v) for k, v in data.get("omp_threads", {}).items()}
     return build(LaunchPlan, data, nodes=tuple(nodes), target=target, omp_threads=omp)

@@ -1,0 +1,89 @@
+"""The scale simulation transport at CI size: 32 nodes x 8 synthetic ranks through the real
+supervisor, console, link runners and node agents (launch/simulate.py)."""
+
+from __future__ import annotations
+
+import io
+import re
+import time
+
+import pytest
+
+from zerorun.errors import LaunchError
+from zerorun.launch.console import PlainConsole
+from zerorun.launch.simulate import Scenario, SimCluster, prepare, sim_plan
+from zerorun.launch.supervisor import Supervisor
+
+NODES, RANKS = 32, 8
+
+
+def _run(scenario: Scenario, *, heartbeat_timeout_s: float = 10.0, grace: float = 1.0, tmp_path=None, **prep):
+    cluster = SimCluster.start(NODES, scenario)
+    try:
+        plan = sim_plan(NODES, RANKS)
+        plan, runners = prepare(plan, cluster, heartbeat_timeout_s=heartbeat_timeout_s, **prep)
+        out, err = io.StringIO(), io.StringIO()
+        t0 = time.monotonic()
+        result = Supervisor(plan, runners, PlainConsole(out=out, err=err), grace_period=grace,
+                            log_dir=tmp_path).run()
+        wall = time.monotonic() - t0
+    finally:
+        totals = cluster.close()
+    return result, totals, out.getvalue(), err.getvalue(), wall
+
+
+def test_one_rank_fails_every_rank_everywhere_stops_and_nothing_is_left(tmp_path):
+    sc = Scenario(line_rate=2.0, warn_interval_s=0.5, fail={123: (1.0, 7)}, hang={200: 0.0})
+    result, totals, out, err, wall = _run(sc, tmp_path=tmp_path)
+    assert result.exit_code == 7 and result.reason == "rank_failed"
+    assert result.first_failure == 123
+    assert "sim-0015:123 failed" in result.message
+    states = {s.rank: s.state for s in result.ranks}
+    assert states[123] == "failed"
+    # rank 200 ignores SIGTERM: only the SIGKILL after the grace period stops it
+    assert next(s for s in result.ranks if s.rank == 200).returncode == -9
+    assert all(st in ("stopped", "failed") for st in states.values()), set(states.values())
+    assert wall < 1.0 + 1.0 + 5.0  # failure at 1 s, grace 1 s, then the kill
+    # every agent and every synthetic rank gone once the launcher is done
+    assert totals["agents"] == NODES and totals["ranks_started"] == NODES * RANKS
+    assert totals["agents_left"] == 0 and totals["ranks_left"] == 0 and totals["hosts_failed"] == 0
+    # the console showed every rank's lines; the log files have them too
+    assert re.search(r"^\[sim-0031:255\] step 1 ", out, re.M)
+    assert (tmp_path / "rank255.log").read_text().startswith("step 1 ")
+    assert "RuntimeError: synthetic failure of rank 123" in (tmp_path / "rank123.log").read_text()
+    assert "sim-0015:123 failed (exit 7)" in err
+
+
+def test_a_silent_node_is_detected_named_and_the_job_stopped():
+    sc = Scenario(line_rate=1.0, silent={9: 0.5})
+    result, totals, _, err, wall = _run(sc, heartbeat_timeout_s=2.0)
+    assert result.exit_code == 255 and result.reason == "node_lost"
+    assert "sim-0009" in result.message and "no heartbeat" in result.message
+    lost = {s.rank for s in result.ranks if s.state == "lost"}
+    assert lost == set(range(9 * RANKS, 10 * RANKS))
+    assert wall < 0.5 + 2.0 + 1.5 + 1.0 + 4.0  # silence, timeout, a heartbeat period, grace, slack
+    assert totals["ranks_left"] == 0 and totals["agents_left"] == 0
+    assert "sim-0009" in err
+
+
+def test_connect_retries_transient_failures_and_tables_the_rest():
+    sc = Scenario(connect_failures={3: 1, 9: 99, 20: 99}, version_mismatch=(4,))
+    cluster = SimCluster.start(NODES, sc)
+    try:
+        with pytest.raises(LaunchError) as info:
+            prepare(sim_plan(NODES, RANKS), cluster, retries=2, backoff_s=0.01)
+    finally:
+        totals = cluster.close()
+    text = str(info.value)
+    assert "2 node(s) failed: 2 unreachable" in text
+    assert re.search(r"sim-0009\s+unreachable\s+3\s", text) and "sim-0020" in text
+    assert "sim-0003" not in text  # refused once, then connected
+    assert "Nothing was started" in text
+    assert totals["ranks_started"] == 0 and totals["refused"] == 1 + 3 + 3
+    # the version check runs when every node connected
+    cluster = SimCluster.start(NODES, Scenario(version_mismatch=(4,)))
+    try:
+        with pytest.raises(LaunchError, match=r"(?s)1 node\(s\) failed: 1 version.*sim-0004\s+version"):
+            prepare(sim_plan(NODES, RANKS), cluster)
+    finally:
+        assert cluster.close()["ranks_started"] == 0
