@@ -53,14 +53,14 @@ def test_agent_command_quotes_everything() -> None:
 def test_missing_paramiko_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
     import sys
 
-    from zerorun.launch import ssh
+    from zerorun.launch import remote
 
     monkeypatch.setitem(sys.modules, "paramiko", None)  # `import paramiko` raises ImportError
     hosts = parse_hostfile_text("n1 slots=1\n")
     opts = LaunchOptions(target=Target(script="x.py"), device="cpu")
     plan = build_plan(opts, hosts, DeviceInfo(gpus=(), cores=2), master_port=29500, run_id="r")
     with pytest.raises(LaunchError, match="need paramiko"):
-        ssh.prepare(plan, opts)
+        remote.prepare(plan, opts)
 
 
 def test_one_node_runs_never_import_paramiko() -> None:

@@ -6,7 +6,8 @@ without paramiko never load it.
 One connection per node, opened in parallel. On each, one exec channel runs the node agent
 (`python -m zerorun.launch.agent`, see `launch/agent.py`, protocol in `launch/wire.py`); the
 same channel carries the preflight, the plan, the ranks' output and events, and heartbeats
-(`launch/remote.py` drives it: preflight and the remote node runner).
+(`launch/remote.py` drives it: preflight and the remote node runner; this module never imports
+remote.py).
 The remote command is built from `shlex.quote`d pieces only (remote cwd, interpreter path):
 a hostile host name or argument never reaches a shell unquoted, and everything else travels
 as JSON on stdin.
@@ -45,8 +46,6 @@ __all__ = [
     "close_client",
     "join_errors",
     "agent_command",
-    "prepare",
-    "runners_for",
 ]
 
 DEFAULT_CONNECT_TIMEOUT_S = 10.0
@@ -441,19 +440,3 @@ class NodeChannel:
         except Exception:  # noqa: BLE001, S110 - already gone
             pass
         close_client(self.client)
-
-
-# --- Contract 5 entry points (the preflight and the runners live in launch/remote.py) ---------
-
-
-def prepare(plan: Any, options: Any, *, ssh: SshOptions | None = None) -> tuple[Any, list[Any]]:
-    """See `zerorun.launch.remote.prepare`."""
-    from zerorun.launch import remote
-
-    return remote.prepare(plan, options, ssh=ssh)
-
-
-def runners_for(plan: Any, options: Any) -> list[Any]:
-    """Contract 5 entry point; prefer `prepare`, which also returns the plan with the master
-    address the preflight found (for the console and summary)."""
-    return prepare(plan, options)[1]
