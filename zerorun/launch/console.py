@@ -9,23 +9,46 @@ Rendering only; the supervisor owns the state. Two implementations of one interf
 - `RichConsole` on a terminal: one colour per rank, stderr dimmed, a live panel under the
   scrolling output (state, pid, GPU alloc/reserved/peak, host RSS, last step), rich tables and
   a failure panel at the end.
+
+Above `DETAIL_MAX_RANKS` ranks (a 1,000-node job prints 8,000 lines a step) both switch to the
+large-job view (`launch/rollup.py`): the detail ranks' lines (rank 0, or `--ranks`), every
+other rank's notable lines (warnings, errors) once per distinct text with the ranks that
+printed it (`[0-7999] UserWarning: ...`), a live panel with one row per node and job-wide
+roll-ups (a status line every `status_interval_s` when plain), and a summary of the ranks that
+did not exit 0. The log files under `--log_dir` keep every line of every rank.
 """
 
 from __future__ import annotations
 
 import sys
+import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import IO, Any, Literal
 
+from zerorun.launch import rollup
 from zerorun.launch.messages import RankOutput
 from zerorun.launch.plan import LaunchPlan
 from zerorun.launch.result import JobResult, RankState, describe_exit
 
-__all__ = ["PlainConsole", "RichConsole", "make_console", "format_bytes", "flatten_breakdown"]
+__all__ = [
+    "PlainConsole",
+    "RichConsole",
+    "make_console",
+    "format_bytes",
+    "flatten_breakdown",
+    "DETAIL_MAX_RANKS",
+]
 
 _COLOURS = ("cyan", "magenta", "green", "yellow", "blue", "bright_red", "bright_cyan", "bright_magenta")
 _FAILURE_TAIL = 12
+# Above this many ranks the console shows the large-job view (module docstring).
+DETAIL_MAX_RANKS = 128
+# Large jobs: rows of the end summary listing ranks that did not exit 0.
+_SUMMARY_ROWS = 20
+# The live panel is rebuilt at most this often (the supervisor calls refresh() every batch).
+_PANEL_EVERY_S = 0.5
 
 
 def make_console(*, ranks: frozenset[int] | None = None, force_plain: bool = False) -> PlainConsole | RichConsole:
@@ -57,15 +80,11 @@ def flatten_breakdown(breakdown: Mapping[str, Any] | None, prefix: str = "") -> 
     return out
 
 
-def _prefix(plan: LaunchPlan, rank: int) -> str:
-    if len(plan.nodes) > 1 or not plan.nodes[0].is_local:  # a remote node: say which
-        return f"[{plan.ranks[rank].host}:{rank}]"
-    return f"[{rank}]"
-
-
 def _prefixes(plan: LaunchPlan, states: Sequence[RankState]) -> dict[int, str]:
     """Every rank's prefix, padded to one width so the text after it lines up."""
-    raw = {s.rank: _prefix(plan, s.rank) for s in states}
+    named = len(plan.nodes) > 1 or not plan.nodes[0].is_local  # a remote node: say which
+    specs = plan.ranks  # built once: `plan.ranks` is a new list on every access
+    raw = {s.rank: f"[{specs[s.rank].host}:{s.rank}]" if named else f"[{s.rank}]" for s in states}
     width = max((len(p) for p in raw.values()), default=0)
     return {r: p.ljust(width) for r, p in raw.items()}
 
@@ -147,6 +166,73 @@ def _table_text(head: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]
     return [fmt.format(*head), *(fmt.format(*r) for r in rows)]
 
 
+class _LargeJob:
+    """The large-job view's state: which lines print, the dedup of the others, each node's
+    last line, and the job-wide roll-ups (see `launch/rollup.py`)."""
+
+    def __init__(self, plan: LaunchPlan, states: Sequence[RankState], detail: frozenset[int] | None) -> None:
+        self.states = states
+        self.detail = detail if detail is not None else frozenset({0})
+        self.node_of = {spec.rank: spec.node_rank for spec in plan.ranks}
+        self.hosts = {n.node_rank: n.host.name for n in plan.nodes}
+        self.dedup = rollup.Dedup()
+        self.last_lines: dict[int, str] = {}
+
+    def split(self, lines: Sequence[RankOutput]) -> list[RankOutput]:
+        """The lines to print as they are (the detail ranks'); every notable line goes to the dedup."""
+        now = time.monotonic()
+        shown: list[RankOutput] = []
+        for line in lines:
+            self.last_lines[self.node_of.get(line.rank, -1)] = line.text
+            if line.rank in self.detail:
+                shown.append(line)
+            # A detail rank's warning counts too: the line for everyone then names every rank.
+            if rollup.is_notable(line.text):
+                self.dedup.add(line.rank, line.text, now)
+        return shown
+
+    def rows(self) -> tuple[list[rollup.NodeRow], rollup.JobRollup]:
+        rows = rollup.node_rows(self.states, self.hosts, self.last_lines)
+        return rows, rollup.job_rollup(rows, self.states)
+
+    def status_line(self) -> str:
+        _, job = self.rows()
+        return _rollup_text(job)
+
+
+def _rollup_text(job: rollup.JobRollup) -> str:
+    counts = ", ".join(f"{n} {state}" for state, n in sorted(job.counts.items(), key=lambda x: -x[1]))
+    parts = [f"{job.ranks} ranks: {counts}"]
+    if job.step_min is not None:
+        parts.append(f"step {job.step_min}-{job.step_max} (slowest node {job.slowest_node})")
+    if job.gpu_max is not None:
+        parts.append(f"GPU {format_bytes(job.gpu_min)}-{format_bytes(job.gpu_max)}")
+    if job.rss_max is not None:
+        parts.append(f"RSS {format_bytes(job.rss_min)}-{format_bytes(job.rss_max)}")
+    return " | ".join(parts)
+
+
+def large_summary_lines(result: JobResult) -> list[str]:
+    """The end summary of a large job: exits counted, the ranks that did not exit 0 (the first
+    `_SUMMARY_ROWS`), memory ranges."""
+    counts = Counter(_exit_cell(s) for s in result.ranks)
+    lines = [f"{len(result.ranks)} ranks: " + ", ".join(f"{n} {what}" for what, n in counts.most_common())]
+    bad = [s for s in result.ranks if s.returncode != 0]
+    if bad:
+        head, rows = summary_rows(replace(result, ranks=bad[:_SUMMARY_ROWS]))
+        lines.append(f"ranks that did not exit 0 ({len(bad)}):")
+        lines.extend(f"  {t}" for t in _table_text(head, rows))
+        if len(bad) > _SUMMARY_ROWS:
+            lines.append(f"  ... and {len(bad) - _SUMMARY_ROWS} more (summary.json has them all)")
+    gpu = [s.gpu_peak for s in result.ranks if s.gpu_peak is not None]
+    rss = [s.rss_peak for s in result.ranks if s.rss_peak is not None]
+    if gpu:
+        lines.append(f"peak GPU per rank {format_bytes(min(gpu))} - {format_bytes(max(gpu))}")
+    if rss:
+        lines.append(f"peak RSS per rank {format_bytes(min(rss))} - {format_bytes(max(rss))}")
+    return lines
+
+
 class PlainConsole:
     """Prefixed lines and plain-text tables: logs, pipes, CI."""
 
@@ -163,6 +249,10 @@ class PlainConsole:
         self.plan: LaunchPlan | None = None
         self._prefixes: dict[int, str] = {}
         self._dead: set[int] = set()
+        self.detail_max_ranks = DETAIL_MAX_RANKS
+        self.status_interval_s = 30.0
+        self._large: _LargeJob | None = None
+        self._next_status = 0.0
 
     def _write(self, stream: IO[str], text: str) -> None:
         """Write, and keep going if the reader went away (`zerorun ... | head`): the job
@@ -182,12 +272,18 @@ class PlainConsole:
             f"run {plan.run_id}: {plan.world_size} rank(s) on {plan.device} ({plan.backend}), "
             f"master {plan.master_addr}:{plan.master_port}: {plan.target.display()}"
         )
+        if plan.world_size > self.detail_max_ranks:
+            self._large = _LargeJob(plan, states, self.ranks)
+            self._next_status = time.monotonic() + self.status_interval_s
+            self.note(_large_note(plan, self._large.detail))
 
     def output(self, lines: Sequence[RankOutput]) -> None:
+        if self._large is not None:
+            lines = self._large.split(lines)
         current: IO[str] | None = None
         chunk: list[str] = []
         for line in lines:
-            if self.ranks is not None and line.rank not in self.ranks:
+            if self._large is None and self.ranks is not None and line.rank not in self.ranks:
                 continue
             stream = self.err if line.stream == "stderr" else self.out
             if stream is not current:
@@ -203,17 +299,34 @@ class PlainConsole:
         self._write(self.err, f"{tag}: {text}\n")
 
     def refresh(self) -> None:
-        pass
+        if self._large is None:
+            return
+        now = time.monotonic()
+        self._write_dedup(self._large.dedup.due(now))
+        if now >= self._next_status:
+            self._next_status = now + self.status_interval_s
+            self.note(self._large.status_line())
+
+    def _write_dedup(self, lines: Sequence[str]) -> None:
+        if lines:
+            self._write(self.err, "".join(f"{line}\n" for line in lines))
 
     def stop(self) -> None:
         pass
 
     def end(self, result: JobResult) -> None:
         parts = []
+        if self._large is not None:
+            self._write_dedup(self._large.dedup.due(0.0, flush=True))
         if result.exit_code != 0:
             parts.append("zerorun: FAILED\n" + "".join(f"  {line}\n" for line in failure_lines(result)))
-        head, rows = summary_rows(result)
-        parts.append("zerorun: summary\n" + "".join(f"  {line}\n" for line in _table_text(head, rows)))
+        if self._large is not None:
+            lines = large_summary_lines(result)
+            parts.append("zerorun: summary\n" + "".join(f"  {line}\n" for line in lines))
+            result = replace(result, ranks=[s for s in result.ranks if s.rank in self._large.detail])
+        else:
+            head, rows = summary_rows(result)
+            parts.append("zerorun: summary\n" + "".join(f"  {line}\n" for line in _table_text(head, rows)))
         bhead, brows = breakdown_rows(result)
         if brows:
             parts.append(
@@ -222,6 +335,14 @@ class PlainConsole:
             )
         parts.append(f"zerorun: exit code {result.exit_code} after {result.wall_s:.1f} s\n")
         self._write(self.err, "".join(parts))
+
+
+def _large_note(plan: LaunchPlan, detail: frozenset[int]) -> str:
+    return (
+        f"{plan.world_size} ranks on {len(plan.nodes)} node(s): showing the lines of rank(s) "
+        f"{rollup.rank_set(detail)} and, of the others, warnings and errors once per distinct text "
+        "(--ranks selects other ranks; --log_dir keeps every line of every rank)"
+    )
 
 
 class RichConsole:
@@ -237,10 +358,11 @@ class RichConsole:
         self._live: Any = None
         self._styles: dict[int, str] = {}
         self._prefixes: dict[int, str] = {}
+        self.detail_max_ranks = DETAIL_MAX_RANKS
+        self._large: _LargeJob | None = None
+        self._next_panel = 0.0
 
     def begin(self, plan: LaunchPlan, states: Sequence[RankState]) -> None:
-        import time
-
         from rich.live import Live
 
         self._t0 = time.monotonic()
@@ -252,12 +374,17 @@ class RichConsole:
             f"run {plan.run_id}: {plan.world_size} rank(s) on {plan.device} ({plan.backend}), "
             f"master {plan.master_addr}:{plan.master_port}: {plan.target.display()}"
         )
+        self._large = None
+        self._next_panel = 0.0
+        if plan.world_size > self.detail_max_ranks:
+            self._large = _LargeJob(plan, states, self.ranks)
+            self.note(_large_note(plan, self._large.detail))
         self._live = Live(self._panel(), console=self.console, refresh_per_second=2, transient=True)
         self._live.start()
 
     def _panel(self) -> Any:
-        import time
-
+        if self._large is not None:
+            return self._node_panel(self._large)
         from rich.table import Table
         from rich.text import Text
 
@@ -281,12 +408,42 @@ class RichConsole:
             )
         return table
 
+    def _node_panel(self, large: _LargeJob) -> Any:
+        """One row per node, the most interesting first (failed ranks, then the slowest), as
+        many as the terminal has room for; the job's roll-up as the caption."""
+        from rich.table import Table
+
+        rows, job = large.rows()
+        room = max(5, self.console.size.height - 8)
+        shown = rollup.interesting_first(rows)[:room]
+        caption = _rollup_text(job) + f" | {time.monotonic() - self._t0:.0f} s"
+        if len(rows) > len(shown):
+            caption += f" | {len(rows) - len(shown)} more node(s)"
+        table = Table(box=None, pad_edge=False, header_style="bold", expand=False, caption=caption,
+                      caption_justify="left")
+        for col in ("node", "running/ok/failed", "step (slowest-fastest)", "GPU min-max", "RSS min-max", "last line"):
+            table.add_column(col, no_wrap=True, overflow="ellipsis", max_width=60 if col == "last line" else None)
+        for r in shown:
+            step = "-" if r.step_min is None else f"{r.step_min}-{r.step_max}"
+            table.add_row(
+                r.host,
+                f"{r.running}/{r.exited}/{r.failed}",
+                step,
+                f"{format_bytes(r.gpu_min)}-{format_bytes(r.gpu_max)}" if r.gpu_max is not None else "-",
+                f"{format_bytes(r.rss_min)}-{format_bytes(r.rss_max)}" if r.rss_max is not None else "-",
+                r.last_line,
+                style="red" if r.failed else "",
+            )
+        return table
+
     def output(self, lines: Sequence[RankOutput]) -> None:
         from rich.text import Text
 
+        if self._large is not None:
+            lines = self._large.split(lines)
         text = Text()
         for line in lines:
-            if self.ranks is not None and line.rank not in self.ranks:
+            if self._large is None and self.ranks is not None and line.rank not in self.ranks:
                 continue
             style = self._styles.get(line.rank, "")
             text.append(self._prefixes.get(line.rank, f"[{line.rank}]"), style=style)
@@ -303,7 +460,13 @@ class RichConsole:
         self.console.print(f"[{style}]zerorun:[/] {escape(text)}", markup=True, highlight=False)
 
     def refresh(self) -> None:
-        if self._live is not None:
+        now = time.monotonic()
+        if self._large is not None:
+            for line in self._large.dedup.due(now):
+                self.console.print(line, markup=False, highlight=False, style="yellow")
+        if self._live is not None and now >= self._next_panel:
+            # The panel is O(ranks) to build: at most every _PANEL_EVERY_S, not every batch.
+            self._next_panel = now + _PANEL_EVERY_S
             self._live.update(self._panel())
 
     def stop(self) -> None:
@@ -316,12 +479,22 @@ class RichConsole:
         from rich.table import Table
 
         self.stop()
+        if self._large is not None:
+            for line in self._large.dedup.due(0.0, flush=True):
+                self.console.print(line, markup=False, highlight=False, style="yellow")
         if result.exit_code != 0:
             from rich.text import Text
 
             body = Text("\n".join(failure_lines(result)))
             self.console.print(Panel(body, title="[bold red]job failed", border_style="red", expand=False))
-        for title, (head, rows) in (("summary", summary_rows(result)), ("memory by component", breakdown_rows(result))):
+        tables = [("summary", summary_rows(result))]
+        if self._large is not None:
+            self.console.print("\n".join(large_summary_lines(result)), markup=False, highlight=False)
+            detail = replace(result, ranks=[s for s in result.ranks if s.rank in self._large.detail])
+            tables = [("memory by component", breakdown_rows(detail))]
+        else:
+            tables.append(("memory by component", breakdown_rows(result)))
+        for title, (head, rows) in tables:
             if not rows:
                 continue
             table = Table(title=title, title_justify="left")
