@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-from zerorun.launch.hang import hang_report
-from zerorun.launch.messages import RankExit
-from zerorun.launch.result import JobResult, describe_exit, exit_code_for
+from zerorun.launch.result import describe_exit, exit_code_for
 
 
 def test_exit_decoding() -> None:
@@ -13,8 +11,3 @@ def test_exit_decoding() -> None:
     assert "/dev/shm too small" in describe_exit(-7)
     assert describe_exit(-6).startswith("signal 6 (SIGABRT)")
     assert exit_code_for(3) == 3 and exit_code_for(-9) == 137 and exit_code_for(-15) == 143
-    # The names moved out of supervisor.py stay importable from it (runners and user code).
-    from zerorun.launch import supervisor
-
-    assert supervisor.RankExit is RankExit and supervisor.describe_exit is describe_exit
-    assert supervisor.hang_report is hang_report and supervisor.JobResult is JobResult

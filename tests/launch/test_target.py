@@ -6,7 +6,7 @@ from pathlib import Path
 
 from _plans import plan_for
 
-from zerorun.launch.plan import find_config_argument
+from zerorun.launch.target import find_config_argument
 
 
 def test_find_config_argument(tmp_path: Path) -> None:
@@ -23,7 +23,7 @@ def test_find_config_argument(tmp_path: Path) -> None:
 
 
 def test_declared_local_rank_arg() -> None:
-    from zerorun.launch.plan import declared_local_rank_arg
+    from zerorun.launch.target import declared_local_rank_arg
 
     assert declared_local_rank_arg("p.add_argument('--local_rank', type=int, default=-1)") == "--local_rank"
     assert declared_local_rank_arg('parser.add_argument(\n    "--local-rank", type=int)') == "--local-rank"

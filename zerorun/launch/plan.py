@@ -12,10 +12,8 @@ per node, never per rank, so NCCL still sees the node's peers for P2P.
 
 from __future__ import annotations
 
-import json
 import math
 import os
-import re
 import shlex
 import sys
 from collections.abc import Mapping, Sequence
@@ -39,10 +37,6 @@ __all__ = [
     "new_run_id",
     "DeviceInfo",
     "local_slot_count",
-    "is_python_file",
-    "config_json_of",
-    "find_config_argument",
-    "declared_local_rank_arg",
 ]
 
 Device = Literal["auto", "cuda", "cpu"]
@@ -431,65 +425,3 @@ def _visible_for(host: Host, slots: Sequence[int], devices: DeviceInfo) -> tuple
             )
         return tuple(devices.gpus[s] for s in slots)
     return tuple(str(s) for s in slots)
-
-
-def config_json_of(data: object) -> str:
-    return json.dumps(data, separators=(",", ":"), sort_keys=False)
-
-
-def is_python_file(path: Path) -> bool:
-    return path.suffix in (".py", ".pyw") or _has_python_shebang(path)
-
-
-def _has_python_shebang(path: Path) -> bool:
-    try:
-        with path.open("rb") as fh:
-            first = fh.readline(200)
-    except OSError:
-        return False
-    return first.startswith(b"#!") and b"python" in first
-
-
-# Script arguments that carry a DeepSpeed config (`train.py --deepspeed ds.json`): the launcher
-# validates that file too, and passes the argument on unchanged.
-CONFIG_ARGUMENTS = ("--deepspeed_config", "--deepspeed-config", "--deepspeed", "--config")
-_CONFIG_SUFFIXES = (".json", ".yaml", ".yml")
-
-
-def find_config_argument(args: Sequence[str]) -> tuple[str, str] | None:
-    """(flag, path) of the first config argument of the script, or None.
-
-    `--deepspeed` is also a plain switch in DeepSpeed's own argument parser (with the file in
-    `--deepspeed_config`), so a value counts only when it looks like a config file: no
-    leading '-', and an existing file or a .json/.yaml/.yml name.
-    """
-    found: dict[str, str] = {}
-    for i, arg in enumerate(args):
-        if arg == "--":
-            break
-        name, eq, value = arg.partition("=")
-        if name not in CONFIG_ARGUMENTS or name in found:
-            continue
-        if not eq:
-            if i + 1 >= len(args):
-                continue
-            value = args[i + 1]
-        if not value or value.startswith("-"):
-            continue
-        if not (value.endswith(_CONFIG_SUFFIXES) or Path(value).is_file()):
-            continue
-        found[name] = value
-    for name in CONFIG_ARGUMENTS:
-        if name in found:
-            return name, found[name]
-    return None
-
-
-_LOCAL_RANK_DECL = re.compile(r"""add_argument\(\s*(?:['"]-[\w-]*['"]\s*,\s*)?['"](--local[_-]rank)['"]""")
-
-
-def declared_local_rank_arg(source: str) -> str | None:
-    """`--local_rank` (or `--local-rank`) if the script's source declares it with argparse:
-    DeepSpeed-era scripts expect the launcher to pass it, and accept it when passed."""
-    m = _LOCAL_RANK_DECL.search(source)
-    return m.group(1) if m else None

@@ -2,9 +2,10 @@
 
 The supervisor knows nothing about how ranks are started: it drives `NodeRunner`s
 (Contract 5 in docs/architecture.md; the runner interface and its messages are in
-`launch/messages.py`): `launch/local.py` for this machine, `launch/ssh.py` for remote nodes. Runners post `Message`s from their own threads into one queue; everything else
-(state, fail-fast, signals, hang detection, log files, the console) happens here, on the main
-thread, so none of it needs a lock.
+`launch/messages.py`; `launch/job.py` chooses them): `launch/local.py` for this machine,
+`launch/remote.py` for nodes over SSH. Runners post `Message`s from their own threads into one
+queue; everything else (state, fail-fast, signals, hang detection, log files, the console)
+happens here, on the main thread, so none of it needs a lock.
 
 Exit code of the launcher: 0 when every rank exited 0; the first failing rank's code
 (128 + N for a rank killed by signal N); 128 + N when the launcher itself got signal N
@@ -20,7 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
-from zerorun.launch.hang import hang_report, innermost_user_frame
+from zerorun.launch.hang import hang_report
 from zerorun.launch.joblog import JobLog
 from zerorun.launch.messages import (
     Message,
@@ -30,7 +31,6 @@ from zerorun.launch.messages import (
     RankExit,
     RankOutput,
     RankStarted,
-    Sink,
 )
 from zerorun.launch.plan import LaunchPlan
 from zerorun.launch.result import (
@@ -43,27 +43,7 @@ from zerorun.launch.result import (
     where,
 )
 
-# The message types, the result model and the hang analysis live in their own modules
-# (messages.py, result.py, hang.py); they are re-exported so that imports from here keep working.
-__all__ = [
-    "RankStarted",
-    "RankOutput",
-    "RankEvent",
-    "RankExit",
-    "NodeLost",
-    "Message",
-    "Sink",
-    "NodeRunner",
-    "RankState",
-    "JobResult",
-    "Supervisor",
-    "describe_exit",
-    "exit_code_for",
-    "hang_report",
-    "innermost_user_frame",
-    "HANG_EXIT_CODE",
-    "NODE_LOST_EXIT_CODE",
-]
+__all__ = ["Supervisor", "Console"]
 
 # How long ranks get to write their stack dumps after SIGUSR1 before the job is stopped.
 _STACK_DUMP_WAIT_S = 3.0

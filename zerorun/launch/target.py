@@ -1,20 +1,31 @@
-"""Checking what the ranks will run (SCRIPT or `-m MODULE`) before anything starts.
+"""What the ranks will run (SCRIPT or `-m MODULE`), inspected before anything starts.
 
 Pure file-system checks (no package code runs in the launcher, no torch): a missing or
-non-Python script, a directory without `__main__.py`, a syntax error, an unimportable module.
+non-Python script, a directory without `__main__.py`, a syntax error, an unimportable module;
+and what the launcher reads from the script: a config file among its arguments
+(`--deepspeed ds.json`), a declared `--local_rank` argument.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 from zerorun.errors import LaunchError
-from zerorun.launch.plan import Target, is_python_file
+from zerorun.launch.plan import LaunchOptions, Target
 
-__all__ = ["check_target"]
+__all__ = [
+    "check_target",
+    "is_python_file",
+    "find_config_argument",
+    "CONFIG_ARGUMENTS",
+    "declared_local_rank_arg",
+    "local_rank_arg",
+]
 
 
 def check_target(target: Target) -> None:
@@ -81,3 +92,79 @@ def _check_module(module: str) -> None:
         if found is None:
             raise LaunchError(f"-m {module}: no module named {'.'.join(parts[: depth + 1])!r}.")
         locations = found
+
+
+def is_python_file(path: Path) -> bool:
+    return path.suffix in (".py", ".pyw") or _has_python_shebang(path)
+
+
+def _has_python_shebang(path: Path) -> bool:
+    try:
+        with path.open("rb") as fh:
+            first = fh.readline(200)
+    except OSError:
+        return False
+    return first.startswith(b"#!") and b"python" in first
+
+
+# Script arguments that carry a DeepSpeed config (`train.py --deepspeed ds.json`): the launcher
+# validates that file too, and passes the argument on unchanged.
+CONFIG_ARGUMENTS = ("--deepspeed_config", "--deepspeed-config", "--deepspeed", "--config")
+_CONFIG_SUFFIXES = (".json", ".yaml", ".yml")
+
+
+def find_config_argument(args: Sequence[str]) -> tuple[str, str] | None:
+    """(flag, path) of the first config argument of the script, or None.
+
+    `--deepspeed` is also a plain switch in DeepSpeed's own argument parser (with the file in
+    `--deepspeed_config`), so a value counts only when it looks like a config file: no
+    leading '-', and an existing file or a .json/.yaml/.yml name.
+    """
+    found: dict[str, str] = {}
+    for i, arg in enumerate(args):
+        if arg == "--":
+            break
+        name, eq, value = arg.partition("=")
+        if name not in CONFIG_ARGUMENTS or name in found:
+            continue
+        if not eq:
+            if i + 1 >= len(args):
+                continue
+            value = args[i + 1]
+        if not value or value.startswith("-"):
+            continue
+        if not (value.endswith(_CONFIG_SUFFIXES) or Path(value).is_file()):
+            continue
+        found[name] = value
+    for name in CONFIG_ARGUMENTS:
+        if name in found:
+            return name, found[name]
+    return None
+
+
+_LOCAL_RANK_DECL = re.compile(r"""add_argument\(\s*(?:['"]-[\w-]*['"]\s*,\s*)?['"](--local[_-]rank)['"]""")
+
+
+def declared_local_rank_arg(source: str) -> str | None:
+    """`--local_rank` (or `--local-rank`) if the script's source declares it with argparse:
+    DeepSpeed-era scripts expect the launcher to pass it, and accept it when passed."""
+    m = _LOCAL_RANK_DECL.search(source)
+    return m.group(1) if m else None
+
+
+def local_rank_arg(options: LaunchOptions) -> str | None:
+    """The `--local_rank` spelling to pass the script, or None to pass none."""
+    if not options.pass_local_rank:
+        return None
+    # DeepSpeed's launcher passes --local_rank=N to every script; with --deepspeed-compat so do
+    # we (HF scripts take it through TrainingArguments, not an add_argument we could see).
+    fallback = "--local_rank" if options.deepspeed_compat else None
+    if options.target.script is None:
+        return fallback
+    path = Path(options.target.script)
+    if path.is_dir():
+        path = path / "__main__.py"
+    try:
+        return declared_local_rank_arg(path.read_text(encoding="utf-8", errors="replace")) or fallback
+    except OSError:
+        return fallback
