@@ -81,7 +81,7 @@ def test_connect_retries_transient_failures_and_tables_the_rest():
     finally:
         totals = cluster.close()
     text = str(info.value)
-    assert "2 node(s) failed: 2 unreachable" in text
+    assert "Connecting failed on 2 nodes: 2 unreachable" in text
     assert re.search(r"sim-0009\s+unreachable\s+3\s", text) and "sim-0020" in text
     assert "sim-0003" not in text  # refused once, then connected
     assert "Nothing was started" in text
@@ -89,7 +89,7 @@ def test_connect_retries_transient_failures_and_tables_the_rest():
     # the version check runs when every node connected
     cluster = SimCluster.start(NODES, Scenario(version_mismatch=(4,)))
     try:
-        with pytest.raises(LaunchError, match=r"(?s)1 node\(s\) failed: 1 version.*sim-0004\s+version"):
+        with pytest.raises(LaunchError, match=r"(?s)The preflight failed on 1 node: 1 version.*sim-0004\s+version"):
             prepare(sim_plan(NODES, RANKS), cluster)
     finally:
         assert cluster.close()["ranks_started"] == 0

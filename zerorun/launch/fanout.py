@@ -20,6 +20,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
+from zerorun.errors import LaunchError
+
 __all__ = ["NodeFailure", "Failed", "fan_out", "failure_table", "DEFAULT_PARALLELISM"]
 
 DEFAULT_PARALLELISM = 32  # pdsh's default fan-out
@@ -27,7 +29,7 @@ K = TypeVar("K", bound=Hashable)
 R = TypeVar("R")
 
 
-class NodeFailure(Exception):
+class NodeFailure(LaunchError):
     """Why one node could not be reached. `category`: a short word for the table (`auth`,
     `unreachable`, `host key`, `version`, `timeout`, ...)."""
 
@@ -93,14 +95,19 @@ def fan_out(
     return results, failures
 
 
-def failure_table(failures: Mapping[K, Failed[K]], *, names: Mapping[K, str] | None = None, limit: int = 50) -> str:
+def failure_table(
+    failures: Mapping[K, Failed[K]], *, what: str = "Connecting", names: Mapping[K, str] | None = None, limit: int = 50
+) -> str:
     """The nodes that failed and why, one aligned row each (the first `limit`), with a count per
-    category first: `12 node(s) failed: 10 unreachable, 2 auth`."""
+    category first: `SSH failed on 12 nodes: 10 unreachable, 2 auth`."""
     rows = sorted(failures.values(), key=lambda f: (f.category, str((names or {}).get(f.node, f.node))))
     counts: dict[str, int] = {}
     for f in rows:
         counts[f.category] = counts.get(f.category, 0) + 1
-    head = f"{len(rows)} node(s) failed: " + ", ".join(f"{n} {c}" for c, n in sorted(counts.items(), key=lambda x: -x[1]))
+    plural = "s" if len(rows) != 1 else ""
+    head = f"{what} failed on {len(rows)} node{plural}: " + ", ".join(
+        f"{n} {c}" for c, n in sorted(counts.items(), key=lambda x: -x[1])
+    )
     cells = [(str((names or {}).get(f.node, f.node)), f.category, str(f.attempts), f.message) for f in rows[:limit]]
     w0 = max([4, *(len(c[0]) for c in cells)])
     w1 = max([6, *(len(c[1]) for c in cells)])

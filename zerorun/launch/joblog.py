@@ -11,6 +11,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, TextIO
 
+from zerorun.launch import fdlimit
 from zerorun.launch.result import JobResult
 
 __all__ = ["JobLog"]
@@ -26,6 +27,8 @@ class JobLog:
         self._events: TextIO | None = None
 
     def open(self, ranks: Iterable[int]) -> None:
+        ranks = list(ranks)
+        fdlimit.check(len(ranks) + 1, f"the {len(ranks)} log files under --log_dir")
         self.log_dir.mkdir(parents=True, exist_ok=True)
         for rank in ranks:
             # Buffered, flushed after every batch of messages (`flush`): a write per line

@@ -272,13 +272,20 @@ class SshRunner:
 
 
 def ssh_options_from(options: Any) -> SshOptions:
-    """The SSH part of `launch.plan.LaunchOptions` (+ ZERORUN_SSH_HEARTBEAT_TIMEOUT)."""
+    """The SSH part of `launch.plan.LaunchOptions` (+ ZERORUN_SSH_HEARTBEAT_TIMEOUT, and
+    ZERORUN_SSH_PARALLELISM / ZERORUN_SSH_CONNECT_TIMEOUT where the options leave them out)."""
     timeout = float(os.environ.get("ZERORUN_SSH_HEARTBEAT_TIMEOUT", SshOptions.heartbeat_timeout_s))
+    parallelism = getattr(options, "ssh_parallelism", None) or int(
+        os.environ.get("ZERORUN_SSH_PARALLELISM", SshOptions.parallelism)
+    )
+    connect = getattr(options, "ssh_connect_timeout", None) or os.environ.get("ZERORUN_SSH_CONNECT_TIMEOUT")
     return SshOptions(
         remote_python=options.remote_python,
         remote_cwd=options.remote_cwd,
         accept_new_hosts=bool(options.ssh_accept_new_hosts),
         heartbeat_timeout_s=timeout,
+        parallelism=max(1, parallelism),
+        connect_timeout=float(connect) if connect else None,
     )
 
 

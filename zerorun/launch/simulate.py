@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from zerorun.errors import LaunchError
-from zerorun.launch import wire
+from zerorun.launch import fdlimit, wire
 from zerorun.launch.fanout import DEFAULT_PARALLELISM, NodeFailure, failure_table, fan_out
 from zerorun.launch.hosts import Host
 from zerorun.launch.link import Link, LinkHub, LinkRunner
@@ -170,6 +170,7 @@ def prepare(
     import zerorun
 
     names = {n.node_rank: n.host.name for n in plan.nodes}
+    fdlimit.check(len(names), f"links to {len(names)} simulated nodes")
     links, failures = fan_out(
         names,
         lambda r, attempt: cluster.connect(r, names[r], attempt, connect_timeout_s),
@@ -179,7 +180,7 @@ def prepare(
     )
     try:
         if failures:
-            raise LaunchError("Connecting failed. " + failure_table(failures, names=names) + "\nNothing was started.")
+            raise LaunchError(failure_table(failures, names=names) + "\nNothing was started.")
         for r, link in links.items():
             link.send("preflight", version=zerorun.__version__, protocol=wire.PROTOCOL_VERSION,
                       check_port=None, pick_port=r == 0, script=None)
@@ -200,7 +201,7 @@ def prepare(
             else:
                 hellos[r] = msg
         if bad:
-            raise LaunchError("The preflight failed. " + failure_table(bad, names=names) + "\nNothing was started.")
+            raise LaunchError(failure_table(bad, what="The preflight", names=names) + "\nNothing was started.")
         port = int(hellos[0].get("port") or plan.master_port)
         plan = plan.with_master("127.0.0.1", port)
         runners = [

@@ -26,13 +26,13 @@ import shlex
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from zerorun.errors import LaunchError
-from zerorun.launch import wire
+from zerorun.launch import fdlimit, wire
+from zerorun.launch.fanout import DEFAULT_PARALLELISM, NodeFailure, failure_table, fan_out
 
 if TYPE_CHECKING:  # pragma: no cover
     import paramiko
@@ -64,6 +64,9 @@ class SshOptions:
     heartbeat_timeout_s: float = 10.0
     ssh_config: str | None = None  # default: ~/.ssh/config
     preflight_timeout_s: float = 30.0
+    parallelism: int = DEFAULT_PARALLELISM  # connections being opened at once (pdsh's fan-out)
+    connect_retries: int = 2  # more attempts after a transient failure (refused, timeout, throttled)
+    retry_backoff_s: float = 1.0  # before the first retry; doubled each time, +-50% jitter
 
 
 @dataclass(frozen=True)
@@ -271,12 +274,16 @@ def _open(target: SshTarget, options: SshOptions, sock: Any) -> paramiko.SSHClie
             auth_timeout=target.connect_timeout,
             sock=sock,
         )
-    except LaunchError:
+    except NodeFailure:
         client.close()
         raise
+    except LaunchError as err:  # the missing-host-key policy
+        client.close()
+        raise NodeFailure("host key", str(err)) from None
     except paramiko.BadHostKeyException as err:
         client.close()
-        raise LaunchError(
+        raise NodeFailure(
+            "host key",
             f"host key of {target.display} has CHANGED since it was recorded in known_hosts: "
             "this can be a man-in-the-middle attack, or the node was reinstalled. After checking "
             f"with its administrator, remove the old key (`ssh-keygen -R '{target.known_hosts_name}'`) "
@@ -284,49 +291,67 @@ def _open(target: SshTarget, options: SshOptions, sock: Any) -> paramiko.SSHClie
         ) from None
     except paramiko.AuthenticationException as err:
         client.close()
-        raise LaunchError(
+        raise NodeFailure(
+            "auth",
             f"cannot log in to {target.display} as {target.user}: {err}. zerorun uses your ssh "
             "keys and agent (no passwords): check that `ssh -o BatchMode=yes "
             f"{target.alias} true` works, and User/IdentityFile in ~/.ssh/config."
         ) from None
     except TimeoutError:
         client.close()
-        raise LaunchError(
+        raise NodeFailure(
+            "timeout",
             f"cannot reach {target.display}: no answer within {target.connect_timeout:g} s. "
-            "Check the name/address in the hostfile and that sshd runs there."
-        ) from None
+            "Check the name/address in the hostfile and that sshd runs there.",
+        ) from None  # not retried: the per-node timeout already bounds how long a node may take
     except OSError as err:  # refused, no route, unknown name (paramiko's NoValidConnectionsError too)
         client.close()
-        raise LaunchError(
+        import socket
+
+        raise NodeFailure(
+            "unknown host" if isinstance(err, socket.gaierror) else "unreachable",
             f"cannot reach {target.display}: {err.strerror or err}. Check the name/address in the "
-            "hostfile (or HostName/Port in ~/.ssh/config) and that sshd runs there."
+            "hostfile (or HostName/Port in ~/.ssh/config) and that sshd runs there.",
+            transient=not isinstance(err, socket.gaierror),
         ) from None
     except paramiko.SSHException as err:
+        # e.g. "Error reading SSH protocol banner": sshd drops new connections beyond its
+        # MaxStartups (default 10:30:100) while many are being authenticated: worth a retry.
         client.close()
-        raise LaunchError(f"cannot connect to {target.display}: {err}") from None
+        raise NodeFailure("ssh", f"cannot connect to {target.display}: {err}", transient=True) from None
     return client
 
 
 def connect_nodes(
     aliases: Sequence[str], options: SshOptions
 ) -> dict[str, tuple[SshTarget, paramiko.SSHClient]]:
-    """Connect to every node in parallel; any failure closes them all and raises one
-    LaunchError naming every host that failed."""
-    results: dict[str, tuple[SshTarget, paramiko.SSHClient]] = {}
-    errors: dict[str, str] = {}
-    with ThreadPoolExecutor(max_workers=min(32, max(1, len(aliases)))) as pool:
-        futures = {alias: pool.submit(_connect_one, alias, options) for alias in aliases}
-        for alias, fut in futures.items():
-            try:
-                results[alias] = fut.result()
-            except LaunchError as err:
-                errors[alias] = str(err)
-            except Exception as err:  # noqa: BLE001 - one bad host must not hide the others
-                errors[alias] = f"cannot connect to {alias}: {type(err).__name__}: {err}"
-    if errors:
+    """Connect to every node, `options.parallelism` at a time; a transient failure (refused,
+    timed out, sshd throttling) is retried with backoff -- only here, before the agent's
+    command runs, so a retry never leaves a second agent behind. Any failure closes every
+    connection and raises one LaunchError with a table of every node that failed and why."""
+    fdlimit.check(2 * len(aliases), f"SSH connections to {len(aliases)} nodes")
+
+    def attempt(alias: str, _attempt: int) -> tuple[SshTarget, paramiko.SSHClient]:
+        try:
+            return _connect_one(alias, options)
+        except NodeFailure:
+            raise
+        except LaunchError as err:  # ~/.ssh/config problems, a jump host that cannot reach on
+            raise NodeFailure("config", str(err)) from None
+
+    results, failures = fan_out(
+        aliases,
+        attempt,
+        parallelism=options.parallelism,
+        retries=options.connect_retries,
+        backoff_s=options.retry_backoff_s,
+    )
+    if failures:
         for _, client in results.values():
             close_client(client)
-        raise LaunchError(join_errors("SSH", errors) + " Nothing was started.")
+        if len(failures) == 1:
+            raise LaunchError(next(iter(failures.values())).message + " Nothing was started.")
+        raise LaunchError(failure_table(failures, what="SSH") + "\nNothing was started.")
     return results
 
 

@@ -1,0 +1,83 @@
+"""launch/fanout.py (bounded parallel connects, retries before anything started, the failure
+table) and launch/fdlimit.py (RLIMIT_NOFILE raised, or a clear error naming the limit)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+
+from zerorun.launch.fanout import NodeFailure, failure_table, fan_out
+
+
+def test_at_most_parallelism_in_flight_and_transient_failures_retried():
+    lock = threading.Lock()
+    state = {"now": 0, "peak": 0}
+    calls: dict[int, int] = {}
+
+    def connect(node: int, attempt: int) -> str:
+        with lock:
+            state["now"] += 1
+            state["peak"] = max(state["peak"], state["now"])
+            calls[node] = calls.get(node, 0) + 1
+        try:
+            time.sleep(0.01)
+            if node == 3 and attempt < 2:
+                raise NodeFailure("unreachable", "refused", transient=True)
+            if node == 5:
+                raise NodeFailure("auth", "node5: permission denied (publickey)")
+            if node == 7:
+                raise NodeFailure("unreachable", "node7: refused", transient=True)
+            if node == 8:
+                raise RuntimeError("bug")
+            return f"conn{node}"
+        finally:
+            with lock:
+                state["now"] -= 1
+
+    results, failures = fan_out(range(40), connect, parallelism=4, retries=2, backoff_s=0.001)
+    assert state["peak"] == 4
+    assert results[3] == "conn3" and calls[3] == 3  # two refusals, then connected
+    assert calls[5] == 1  # permanent: not retried
+    assert calls[7] == 3 and failures[7].attempts == 3
+    assert set(failures) == {5, 7, 8} and len(results) == 37
+    table = failure_table(failures, what="SSH", names={n: f"node{n}" for n in range(40)})
+    lines = table.splitlines()
+    assert lines[0] == "SSH failed on 3 nodes: 1 auth, 1 error, 1 unreachable"
+    assert lines[1].split() == ["node", "reason", "tries", "detail"]
+    assert lines[2].split()[:3] == ["node5", "auth", "1"] and lines[4].split()[:3] == ["node7", "unreachable", "3"]
+    assert "RuntimeError: bug" in lines[3]
+
+
+def test_the_table_is_cut_after_its_limit():
+    failures = fan_out(range(80), lambda n, a: (_ for _ in ()).throw(NodeFailure("timeout", f"n{n}")), parallelism=8)[1]
+    text = failure_table(failures, limit=10)
+    assert text.startswith("Connecting failed on 80 nodes: 80 timeout") and text.endswith("... and 70 more")
+
+
+_FD_SCRIPT = """
+import resource, sys, tempfile, pathlib
+from zerorun.errors import LaunchError
+from zerorun.launch.joblog import JobLog
+soft, hard = int(sys.argv[1]), int(sys.argv[2])
+resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+log = JobLog(pathlib.Path(tempfile.mkdtemp()), "rid")
+try:
+    log.open(range(2000))
+except LaunchError as err:
+    print("ERROR", err)
+else:
+    print("OK", resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+"""
+
+
+def test_the_soft_fd_limit_is_raised_or_the_error_names_it():
+    def run(soft: int, hard: int) -> str:
+        return subprocess.run([sys.executable, "-c", _FD_SCRIPT, str(soft), str(hard)], capture_output=True,
+                              text=True, check=True, timeout=60).stdout
+
+    assert run(256, 4096) == "OK 4096\n"  # 2,000 log files: the soft limit went up to the hard one
+    out = run(256, 512)
+    assert out.startswith("ERROR the 2000 log files under --log_dir need about 2065 more file descriptors")
+    assert "(RLIMIT_NOFILE) is 512 (hard limit 512)" in out and "ulimit -Hn" in out
