@@ -11,7 +11,7 @@ from pydantic import ValidationError
 
 from zerorun.config.aliases import rewrite_aliases
 from zerorun.config.batch import BatchResolution, resolve_batch
-from zerorun.config.messages import format_validation_error
+from zerorun.config.error_messages import format_validation_error
 from zerorun.config.reader import RawConfig, read_source
 from zerorun.config.rules import check_rules, check_runtime_support, open_autos
 from zerorun.config.schema import ZerorunConfig

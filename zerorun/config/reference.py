@@ -17,7 +17,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from zerorun.config.aliases import STAGE3_SHORT_NAMES
-from zerorun.config.messages import _constraints, _model_of, describe_type
+from zerorun.config.error_messages import _constraints, _model_of, describe_type
 from zerorun.config.schema import ZerorunConfig
 
 __all__ = ["render_reference", "main", "DEFAULT_PATH"]
