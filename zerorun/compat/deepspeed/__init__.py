@@ -3,7 +3,8 @@
 The surface is what DeepSpeed training scripts and Hugging Face Trainer/accelerate use
 (measured: the project's hf-trainer-deepspeed surface trace) -- ``initialize``,
 ``DeepSpeedEngine``, ``add_config_arguments``, ``init_distributed``, ``comm``, ``zero``,
-``ops.adam``, ``runtime.lr_schedules``, ``checkpoint.utils``, ``accelerator``, ``utils``.
+``ops.adam``, ``runtime.lr_schedules``, ``checkpoint.utils``, ``checkpointing`` (activation
+checkpointing), ``accelerator``, ``utils``.
 Anything else raises an error naming the symbol, never a silent no-op. Cheap to import
 (accelerate imports it on every ``unwrap_model``): the runtime loads on first use.
 """
@@ -28,6 +29,7 @@ __all__ = [
     "ops",
     "runtime",
     "checkpoint",
+    "checkpointing",
     "accelerator",
     "utils",
     "init_inference",
@@ -40,7 +42,7 @@ __version_major__, __version_minor__, __version_patch__ = (int(x) for x in _publ
 __git_hash__ = None
 __git_branch__ = None
 
-_SUBMODULES = ("comm", "ops", "runtime", "checkpoint", "accelerator", "utils")
+_SUBMODULES = ("comm", "ops", "runtime", "checkpoint", "checkpointing", "accelerator", "utils")
 _missing = module_getattr(__name__)
 
 
