@@ -119,7 +119,7 @@ def _nvidia_driver() -> str | None:
 
 def collect_env() -> dict[str, Any]:
     """Everything the report shows, as plain data (also the `--json` output)."""
-    from zerorun import __version__
+    from zerorun._version import __version__
     from zerorun.launch.environment import redact_env
 
     return {

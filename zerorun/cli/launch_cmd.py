@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 import typer
 
-from zerorun import __version__
+from zerorun._version import __version__
 from zerorun.cli.errors import report_errors
 from zerorun.launch.plan import LaunchOptions, Target
 

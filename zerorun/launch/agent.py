@@ -168,11 +168,11 @@ class Agent:
 
 def hello(msg: dict[str, Any]) -> dict[str, Any]:
     """The preflight answer: who and where we are, and whether the master port is usable."""
-    import zerorun
+    from zerorun._version import __version__
 
     conn = os.environ.get("SSH_CONNECTION", "").split()
     info: dict[str, Any] = {
-        "version": zerorun.__version__,
+        "version": __version__,
         "protocol": wire.PROTOCOL_VERSION,
         "python": sys.executable,
         "hostname": socket.gethostname(),

@@ -70,7 +70,7 @@ def preflight(
     address the ranks use to reach it. `script` (the job's script, if any) must exist on
     every node, relative to the remote cwd.
     """
-    import zerorun
+    from zerorun._version import __version__
 
     python = options.remote_python or sys.executable
     cwd = options.remote_cwd or os.getcwd()
@@ -84,13 +84,13 @@ def preflight(
             is_master = alias == master
             ch.send(
                 "preflight",
-                version=zerorun.__version__,
+                version=__version__,
                 protocol=wire.PROTOCOL_VERSION,
                 check_port=master_port if is_master else None,
                 pick_port=is_master and master_port is None,
                 script=script,
             )
-        hellos, errors = _collect_hellos(channels, python, cwd, zerorun.__version__, options.preflight_timeout_s)
+        hellos, errors = _collect_hellos(channels, python, cwd, __version__, options.preflight_timeout_s)
         if errors:
             raise LaunchError(join_errors("The preflight", errors) + " Nothing was started.")
         if master is not None:

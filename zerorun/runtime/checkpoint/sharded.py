@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 import torch
 
-import zerorun
+from zerorun._version import __version__
 from zerorun.errors import CheckpointError
 
 from . import atomic
@@ -146,7 +146,7 @@ def save_checkpoint(
     # Phase 2: every rank writes its fragments and RNG state; rank 0 the metadata.
     meta.tag = tag
     meta.world_size = comm.world_size
-    meta.zerorun_version = zerorun.__version__
+    meta.zerorun_version = __version__
     fragments = view.checkpoint_fragments(for_load=False)
     meta.kinds = sorted({f.kind for f in fragments})  # identical on every rank (same engine)
     error: str | None = None
