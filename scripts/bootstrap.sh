@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Idempotent set-up: a virtual environment in .venv with CPU-or-CUDA torch and zerorun installed.
-# `--system` also installs what the multi-node tests need (openssh-server, iproute2; root only).
+# `--system` also installs what the multi-node tests need (openssh-server, iproute2, Slurm's
+# slurmctld/slurmd/slurm-client and munge; root only).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -9,6 +10,10 @@ if [[ "${1:-}" == "--system" ]]; then
   [[ -x /usr/sbin/sshd ]] || need+=(openssh-server)
   command -v ip >/dev/null || need+=(iproute2)
   command -v ssh-keygen >/dev/null || need+=(openssh-client)
+  # A real Slurm for the cluster tests (daemons started by the tests themselves, nothing enabled).
+  for pkg in slurmctld slurmd slurm-client munge; do
+    dpkg -s "$pkg" >/dev/null 2>&1 || need+=("$pkg")
+  done
   if ((${#need[@]})); then
     if [[ $(id -u) -ne 0 ]]; then
       echo "bootstrap: need root to install ${need[*]} (multi-node tests)" >&2
@@ -16,7 +21,7 @@ if [[ "${1:-}" == "--system" ]]; then
     fi
     echo "bootstrap: installing ${need[*]}" >&2
     DEBIAN_FRONTEND=noninteractive apt-get update -qq >/dev/null
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
   fi
 fi
 

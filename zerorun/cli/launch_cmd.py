@@ -108,6 +108,28 @@ def launch(
         help="`import deepspeed` in the ranks is zerorun's DeepSpeed layer (DeepSpeed scripts, HF Trainer "
         "--deepspeed); every script gets --local_rank=N.",
     ),
+    launcher: Optional[str] = typer.Option(  # noqa: UP045
+        None,
+        "--launcher",
+        metavar="[auto|local|ssh|slurm|pernode]",
+        help="How nodes are started (default auto: a Slurm step or --nnodes -> pernode, a Slurm allocation -> slurm, "
+        "a hostfile -> ssh, else local; see docs/clusters.md).",
+    ),
+    nnodes: Optional[int] = typer.Option(  # noqa: UP045
+        None, "--nnodes", metavar="N", min=1, help="Per-node mode: nodes in the job (one zerorun per node; torchrun's --nnodes)."
+    ),
+    node_rank: Optional[int] = typer.Option(  # noqa: UP045
+        None, "--node-rank", metavar="R", min=0, help="Per-node mode: this node's rank (0 is the master)."
+    ),
+    rdzv_port: Optional[int] = typer.Option(  # noqa: UP045
+        None, "--rdzv-port", metavar="PORT", min=1, max=65535, help="Per-node mode: zerorun's rendezvous port on node 0 (default: master port + 1)."
+    ),
+    rdzv_timeout: Optional[float] = typer.Option(  # noqa: UP045
+        None, "--rdzv-timeout", metavar="SECONDS", min=1, help="Per-node mode: how long nodes wait for each other (default 300)."
+    ),
+    slurm_args: Optional[str] = typer.Option(  # noqa: UP045
+        None, "--slurm-args", metavar="ARGS", help="Extra srun options for --launcher slurm, e.g. '--partition gpu --time 1:00:00'."
+    ),
     version: bool = typer.Option(False, "--version", is_eager=True, callback=_version, help="Show the version."),
 ) -> None:
     """Start a job: every rank runs SCRIPT (or -m MODULE) with torchrun's environment."""
@@ -152,6 +174,12 @@ def launch(
         env=tuple(env or ()),
         pass_local_rank=not no_local_rank,
         deepspeed_compat=True if deepspeed_compat else None,
+        launcher=launcher,
+        nnodes=nnodes,
+        node_rank=node_rank,
+        rdzv_port=rdzv_port,
+        rdzv_timeout=rdzv_timeout,
+        slurm_args=slurm_args,
     )
     code = _run(options)
     raise typer.Exit(code)

@@ -41,6 +41,14 @@ class LauncherSection(Section):
         description="Per-host environment variables, e.g. `{worker-2: {GLOO_SOCKET_IFNAME: eth1}}`.",
     )
     log_dir: str | None = field(None, "Directory for per-rank log files (none when unset).")
+    launcher: Literal["auto", "local", "ssh", "slurm", "pernode"] | None = field(
+        None,
+        "How nodes are started: `auto` (default: the scheduler or hostfile decides, see docs/clusters.md), "
+        "`local`, `ssh`, `slurm` or `pernode` (one zerorun per node: Kubernetes, srun per node).",
+    )
+    rdzv_timeout: Real | None = field(
+        None, "Per-node mode: seconds node 0 waits for every node to join (default 300).", gt=0
+    )
     deepspeed_compat: bool | None = field(
         None,
         "`import deepspeed` in the ranks resolves to zerorun's DeepSpeed compatibility layer, and every "

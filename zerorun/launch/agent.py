@@ -171,6 +171,8 @@ def hello(msg: dict[str, Any]) -> dict[str, Any]:
     from zerorun._version import __version__
 
     conn = os.environ.get("SSH_CONNECTION", "").split()
+    if _DIALED is not None:  # `--dial`: the TCP connection to the launcher says the same
+        conn = [_DIALED[0], "0", _DIALED[1], "0"]
     info: dict[str, Any] = {
         "version": __version__,
         "protocol": wire.PROTOCOL_VERSION,
@@ -242,16 +244,66 @@ def _become_subreaper() -> None:
         pass
 
 
+# In `--dial` mode: (the launcher's address, this node's address) of the TCP connection, which
+# `hello` reports as SSH_CONNECTION's would be.
+_DIALED: tuple[str, str] | None = None
+DIAL_TIMEOUT_S = 60.0
+
+
+def dial(environ: Any = None) -> socket.socket:
+    """`--dial`: connect to the launcher instead of talking on stdin/stdout (agents started by
+    srun or mpirun, which cannot carry a private channel). ZERORUN_AGENT_DIAL is
+    `HOST[,HOST...]:PORT` (the launcher's addresses; SLURM_LAUNCH_NODE_IPADDR, the launcher's
+    address as Slurm saw it, is tried first), ZERORUN_AGENT_TOKEN the job's secret, sent first
+    in a `dial` {token, node, hostname, pid} message; `node` is the Slurm node name
+    (SLURMD_NODENAME) or the MPI rank, by which the launcher knows which node this is."""
+    global _DIALED
+    env = os.environ if environ is None else environ
+    target = env.get("ZERORUN_AGENT_DIAL", "")
+    token = env.get("ZERORUN_AGENT_TOKEN", "")
+    os.environ.pop("ZERORUN_AGENT_TOKEN", None)  # the ranks do not need it
+    hosts_text, _, port_text = target.rpartition(":")
+    if not port_text.isdigit():
+        raise SystemExit(f"zerorun agent: ZERORUN_AGENT_DIAL={target!r} is not HOST[,HOST...]:PORT")
+    hosts = [h for h in [env.get("SLURM_LAUNCH_NODE_IPADDR", ""), *hosts_text.split(",")] if h]
+    node = env.get("SLURMD_NODENAME") or next(
+        (env[v] for v in ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK") if env.get(v)), socket.gethostname()
+    )
+    deadline = time.monotonic() + DIAL_TIMEOUT_S
+    errors: dict[str, str] = {}
+    while True:
+        for host in hosts:
+            try:
+                sock = socket.create_connection((host, int(port_text)), timeout=5)
+            except OSError as err:
+                errors[host] = str(err.strerror or err)
+                continue
+            sock.settimeout(None)
+            _DIALED = (sock.getpeername()[0], sock.getsockname()[0])
+            sock.sendall(wire.encode("dial", token=token, node=node, hostname=socket.gethostname(), pid=os.getpid()))
+            return sock
+        if time.monotonic() > deadline:
+            tried = "; ".join(f"{h}: {e}" for h, e in errors.items())
+            raise SystemExit(f"zerorun agent on {socket.gethostname()}: cannot reach the launcher ({tried})")
+        time.sleep(0.5)
+
+
 def main() -> None:
-    # fd 1 is the channel: keep a private copy for the protocol and point fd 1 at stderr, so a
-    # stray print or warning can never corrupt a message.
-    channel_fd = os.dup(1)
-    os.dup2(2, 1)
+    if sys.argv[1:] == ["--dial"]:
+        sock = dial()
+        channel_fd = os.dup(sock.fileno())
+        stream: Any = sock.makefile("rb")
+    else:
+        # fd 1 is the channel: keep a private copy for the protocol and point fd 1 at stderr, so a
+        # stray print or warning can never corrupt a message.
+        channel_fd = os.dup(1)
+        os.dup2(2, 1)
+        stream = sys.stdin.buffer
     agent = Agent(channel_fd)
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
         signal.signal(sig, lambda signum, _f: agent.die(f"got {signal.Signals(signum).name}; killed this node's ranks"))
     _become_subreaper()
-    agent.serve(sys.stdin.buffer)
+    agent.serve(stream)
 
 
 if __name__ == "__main__":

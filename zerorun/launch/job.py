@@ -19,8 +19,9 @@ the CLI turns into exit codes.
 
 from __future__ import annotations
 
+import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -30,8 +31,10 @@ from zerorun.launch import plan as plan_mod
 from zerorun.launch.environment import build_env_spec
 from zerorun.launch.hosts import local_hosts, parse_hostfile, select_hosts
 from zerorun.launch.messages import NodeRunner
+from zerorun.launch.pernode import PerNodeSpec
 from zerorun.launch.plan import LaunchOptions, LaunchPlan
 from zerorun.launch.result import JobResult
+from zerorun.launch.selection import LauncherChoice, choose_launcher
 from zerorun.launch.supervisor import Console, Supervisor
 from zerorun.launch.target import check_target, find_config_argument, local_rank_arg
 
@@ -49,10 +52,16 @@ class PlannedJob:
     plan: LaunchPlan  # the master address is the launcher's view until the preflight replaces it
     rank_filter: frozenset[int] | None  # `--ranks`: the ranks the console shows (None: all)
     withheld: tuple[str, ...]  # secret-looking variables not sent to remote nodes (a note each)
+    launcher: LauncherChoice | None = None  # which transport and why (launch/selection.py)
+    pernode: PerNodeSpec | None = None  # per-node mode's node count, rank, master, rendezvous
 
     @property
     def multinode(self) -> bool:
-        return self.options.hostfile is not None
+        return self.options.hostfile is not None or self.launcher_name == "slurm"
+
+    @property
+    def launcher_name(self) -> str:
+        return self.launcher.launcher if self.launcher is not None else ("ssh" if self.options.hostfile else "local")
 
 
 def run_job(options: LaunchOptions, console: Console | None = None) -> JobResult:
@@ -67,6 +76,8 @@ def run_job(options: LaunchOptions, console: Console | None = None) -> JobResult
     if options.dry_run:
         raise ValueError("run_job starts the job; for a dry run call plan_job")
     job = plan_job(options)
+    if job.launcher is not None:
+        _note(job.launcher.line())
     if job.options.log_dir is not None:
         try:
             Path(job.options.log_dir).mkdir(parents=True, exist_ok=True)
@@ -97,13 +108,43 @@ def plan_job(options: LaunchOptions) -> PlannedJob:
     stderr (before any console exists)."""
     loaded, config_path, config_json, section, config_dir = _load_config(options)
     options = options.merged(section, base_dir=config_dir)
-    multinode = options.hostfile is not None
+    launcher = choose_launcher(
+        options.launcher, hostfile=options.hostfile, nnodes=options.nnodes, node_rank=options.node_rank, environ=os.environ
+    )
+    multinode = options.hostfile is not None or launcher.launcher == "slurm"
     if not multinode or options.remote_cwd is None:
         # With --remote_cwd the script is a path on the nodes: their preflight checks it there.
         check_target(options.target)
 
     devices = local.detect_devices()
-    if options.hostfile is not None:
+    spec: PerNodeSpec | None = None
+    if launcher.launcher == "pernode":
+        from zerorun.launch import pernode
+
+        spec = pernode.resolve(
+            nnodes=options.nnodes,
+            node_rank=options.node_rank,
+            master_addr=options.master_addr,
+            master_port=options.master_port,
+            rdzv_port=options.rdzv_port,
+            nproc=options.num_gpus,
+            rdzv_timeout=options.rdzv_timeout,
+            environ=os.environ,
+            slurm=launcher.slurm,
+        )
+        options = replace(options, num_gpus=spec.nproc, master_addr=spec.master_addr, master_port=spec.master_port)
+        hosts = pernode.provisional_hosts(spec, plan_mod.local_slot_count(options, devices))
+    elif launcher.launcher == "slurm":
+        from zerorun.launch.slurm import allocation_hosts
+
+        hosts = select_hosts(
+            allocation_hosts(launcher.slurm, num_gpus=options.num_gpus, k=options.k),
+            include=options.include,
+            exclude=options.exclude,
+            num_nodes=options.num_nodes,
+            source=f"Slurm allocation {launcher.slurm.job_id}",
+        )
+    elif options.hostfile is not None:
         hosts = select_hosts(
             parse_hostfile(options.hostfile),
             include=options.include,
@@ -130,7 +171,7 @@ def plan_job(options: LaunchOptions) -> PlannedJob:
 
     if options.master_port is not None:
         port = options.master_port
-        if not multinode and not options.dry_run and not local.port_is_free(port):
+        if not multinode and spec is None and not options.dry_run and not local.port_is_free(port):
             raise LaunchError(
                 f"--master_port {port} is already in use on this machine (another job or a "
                 "leftover rank?). Pick another port, or leave --master_port out to get a free one."
@@ -167,12 +208,23 @@ def plan_job(options: LaunchOptions) -> PlannedJob:
             "take turns on the cores (fine for testing, slow for training)."
         )
     withheld = tuple(env_spec.withheld) if multinode else ()
-    return PlannedJob(options=options, plan=plan, rank_filter=rank_filter, withheld=withheld)
+    return PlannedJob(
+        options=options, plan=plan, rank_filter=rank_filter, withheld=withheld, launcher=launcher, pernode=spec
+    )
 
 
 def _prepare_nodes(job: PlannedJob) -> tuple[LaunchPlan, list[NodeRunner]]:
     """The node runners of the plan, and the plan they run (the preflight of remote nodes may
     change its master address and port). Nothing has started when this returns."""
+    if job.pernode is not None:
+        from zerorun.launch import pernode
+
+        return pernode.prepare(job.plan, job.options, job.pernode, local.detect_devices())
+    if job.launcher_name == "slurm":
+        from zerorun.launch import slurm
+
+        assert job.launcher is not None
+        return slurm.prepare(job.plan, job.options, job.launcher.slurm, withheld=job.withheld)
     if job.multinode:
         from zerorun.launch import remote
 

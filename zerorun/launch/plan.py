@@ -98,11 +98,21 @@ class LaunchOptions:
     # `import deepspeed` in the ranks is zerorun's layer; also `--local_rank=N` to every script
     # (DeepSpeed's launcher behaviour). None: not given (the config's launcher section decides).
     deepspeed_compat: bool | None = None
+    # clusters (docs/clusters.md): which launcher (None: auto, see launch/selection.py), per-node
+    # mode's node count/rank and rendezvous, options passed through to srun / mpirun.
+    launcher: str | None = None
+    nnodes: int | None = None
+    node_rank: int | None = None
+    rdzv_port: int | None = None
+    rdzv_timeout: float | None = None
+    slurm_args: str | None = None
+    mpi_args: str | None = None
 
     # Fields the config's `launcher:` section may fill when the command line left them out.
     MERGEABLE = (
         "num_gpus", "num_nodes", "hostfile", "include", "exclude", "master_addr", "master_port",
         "device", "ranks_per_gpu", "pg_timeout", "hang_timeout", "log_dir", "deepspeed_compat",
+        "launcher", "rdzv_timeout",
     )
 
     def merged(self, section: Mapping[str, object], *, base_dir: Path | None = None) -> LaunchOptions:

@@ -1,0 +1,47 @@
+"""The srun command the Slurm launcher runs, and the allocation's hosts (pure parts)."""
+
+from __future__ import annotations
+
+import pytest
+
+from zerorun.errors import LaunchError
+from zerorun.launch.slurm import allocation_hosts, local_addresses, srun_command
+from zerorun.launch.slurm_env import read_slurm_env
+
+
+def test_srun_command() -> None:
+    argv = srun_command(["gpu01", "gpu02", "gpu03", "gpu07"], python="/opt/py/bin/python", cwd="/work dir", in_step=False)
+    assert argv == [
+        "srun", "--nodes=4", "--ntasks=4", "--ntasks-per-node=1", "--cpu-bind=none", "--kill-on-bad-exit=1",
+        "--nodelist=gpu[01-03,07]", "--chdir=/work dir", "--job-name=zerorun-agents",
+        "/opt/py/bin/python", "-u", "-m", "zerorun.launch.agent", "--dial",
+    ]
+
+
+def test_srun_command_inside_a_step_and_passthrough() -> None:
+    argv = srun_command(["n1", "n2"], python="py", cwd="/", in_step=True, slurm_args="--partition gpu --comment 'two words'")
+    head = argv[: argv.index("py")]
+    assert "--overlap" in head
+    assert head[-4:] == ["--partition", "gpu", "--comment", "two words"]  # after ours: the user's win
+    assert argv[-4:] == ["-u", "-m", "zerorun.launch.agent", "--dial"]
+
+
+def test_srun_command_bad_passthrough() -> None:
+    with pytest.raises(LaunchError, match="--slurm_args"):
+        srun_command(["n1"], python="py", cwd="/", in_step=False, slurm_args="--comment 'open")
+
+
+def test_allocation_hosts() -> None:
+    env = read_slurm_env({"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n[1-3]", "SLURM_TASKS_PER_NODE": "4(x2),2",
+                          "SLURM_JOB_CPUS_PER_NODE": "64(x3)"})
+    assert [(h.name, len(h.slots)) for h in allocation_hosts(env, num_gpus=None)] == [("n1", 4), ("n2", 4), ("n3", 2)]
+    assert [len(h.slots) for h in allocation_hosts(env, num_gpus=8, k=2)] == [4, 4, 4]  # --num_gpus wins
+    bare = read_slurm_env({"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n[1-2]"})
+    assert [len(h.slots) for h in allocation_hosts(bare, num_gpus=None)] == [1, 1]
+    with pytest.raises(LaunchError, match="SLURM_JOB_NODELIST is not set"):
+        allocation_hosts(read_slurm_env({"SLURM_JOB_ID": "7"}), num_gpus=None)
+
+
+def test_local_addresses() -> None:
+    addrs = local_addresses()
+    assert "127.0.0.1" in addrs and addrs[-1].startswith("127.")

@@ -1,0 +1,154 @@
+"""`--launcher slurm` on a real Slurm cluster (slurmctld + a slurmd per fake host, see
+slurm_fabric.py): the agents start with one srun and dial back to the launcher. Checks: a
+4-rank ZeRO-3 job from `salloc -N2` and from an sbatch script, with the losses of the same job
+over SSH; scancel, SIGTERM to zerorun and a failing rank on node 2 stop everything within 10 s
+with nothing left on any node."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import slurm_fabric
+from mn_helpers import SCRIPT, Launch, describe, launcher_env, run_launcher, wait_clean
+
+pytestmark = pytest.mark.multinode
+
+MODE = os.environ.get("ZR_TEST_SLURM_MODE", "zero")  # a dev override: "train" when the runtime is mid-change
+ZERO_CONFIG = (
+    "train_micro_batch_size_per_gpu: 16\ngradient_accumulation_steps: 1\n"
+    "optimizer: {type: AdamW, params: {lr: 0.02}}\nzero_optimization: {stage: 3}\n"
+)
+
+
+@pytest.fixture(scope="module")
+def slurm(cluster) -> Iterator[slurm_fabric.Slurm]:  # type: ignore[no-untyped-def]
+    nodes = cluster.nodes[:2]
+    s = slurm_fabric.start(cluster, nodes)
+    try:
+        for n in nodes:  # slurmd and its init belong to the idle node, not to a job
+            n.baseline |= n.pids()
+        yield s
+    finally:
+        slurm_fabric.stop(s)
+        for n in nodes:
+            n.baseline = {p for p in n.baseline if p in n.pids()}
+
+
+def config(slurm: slurm_fabric.Slurm, tmp_path: Path) -> Path:
+    """Stage 3, and each node's gloo interface (the namespaces' interface names differ)."""
+    path = tmp_path / "zero3.yaml"
+    path.write_text(
+        ZERO_CONFIG
+        + "launcher:\n  host_env:\n"
+        + "".join(f"    {n.alias}: {{GLOO_SOCKET_IFNAME: {n.ifname}}}\n" for n in slurm.nodes)
+    )
+    return path
+
+
+def zsteps(out: str) -> dict[int, str]:
+    return {int(m[1]): m[2] for m in re.finditer(r"\[node\d:(\d)\] +Z?STEP (?:29|39) loss (\S+)", out)}
+
+
+def test_salloc_and_sbatch_train_like_ssh(cluster, slurm, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    cfg = config(slurm, tmp_path)
+    args = ["--device", "cpu", "--pg_timeout", "60", "--config", str(cfg), "--env", f"MN_MODE={MODE}", str(SCRIPT)]
+    # The same job over SSH: the reference losses.
+    code, ssh_out = run_launcher(
+        ["--hostfile", str(cluster.dir / "hostfile"), "--exclude", "node3", *args], env=launcher_env(cluster), cwd=tmp_path
+    )
+    assert code == 0, ssh_out
+    reference = zsteps(ssh_out)
+    assert sorted(reference) == [0, 1, 2, 3], ssh_out
+
+    # From inside `salloc -N2`: auto picks slurm.
+    env = slurm.env(launcher_env(cluster))
+    proc = subprocess.run(
+        ["salloc", "-N2", "--ntasks-per-node=2", sys.executable, "-m", "zerorun", *args],
+        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert "zerorun: launcher slurm: auto: inside Slurm allocation" in out
+    assert zsteps(out) == reference, out
+    for rank in range(4):
+        assert f"[node{rank // 2 + 1}:{rank}] INFO rank={rank} world=4" in re.sub(r"\] +", "] ", out), out
+    assert "unnamed_secret=absent" in out  # a secret-looking variable nobody named stays home, as over SSH
+
+    # From an sbatch script, with --num_gpus instead of the allocation's task count.
+    script = tmp_path / "job.sh"
+    log = tmp_path / "job.out"
+    script.write_text(f"#!/bin/sh\nexec {sys.executable} -m zerorun --num_gpus 2 {' '.join(args)}\n")
+    proc = subprocess.run(["sbatch", "--wait", "-N2", f"--output={log}", str(script)],
+                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
+    out = log.read_text() if log.exists() else ""
+    assert proc.returncode == 0, proc.stdout + proc.stderr + out
+    assert zsteps(out) == reference, out
+    assert not wait_clean(slurm.nodes, 10)
+
+
+def _running_job(cluster, slurm, tmp_path: Path, alloc_env: dict[str, str], **mn: str) -> Launch:  # type: ignore[no-untyped-def]
+    """zerorun started from this shell inside an existing allocation (SLURM_JOB_ID set, as in a
+    batch script), so the test signals zerorun itself."""
+    env = slurm.env(launcher_env(cluster, **alloc_env))
+    named = [a for k, v in mn.items() for a in ("--env", f"{k}={v}")]
+    args = ["--device", "cpu", "--grace_period", "2", "--pg_timeout", "60", "--config", str(config(slurm, tmp_path)),
+            *named, str(SCRIPT)]
+    return Launch(args, env=env, cwd=tmp_path)
+
+
+def test_stop_paths(cluster, slurm, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """scancel, SIGTERM to zerorun, a failing rank on node 2: stopped within 10 s everywhere."""
+    env = slurm.env(launcher_env(cluster))
+    # An allocation that stays while the tests start jobs in it from this shell.
+    alloc = subprocess.Popen(["salloc", "-N2", "--ntasks-per-node=2", "--no-shell"],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        out = alloc.communicate(timeout=30)[0]
+        job_id = re.search(r"Granted job allocation (\d+)", out)
+        assert job_id, out
+        jid = job_id[1]
+        alloc_env = {"SLURM_JOB_ID": jid, "SLURM_JOB_NODELIST": "node[1-2]", "SLURM_JOB_NUM_NODES": "2",
+                     "SLURM_TASKS_PER_NODE": "2(x2)"}
+
+        def job(mode: str, **extra: str) -> Launch:
+            return _running_job(cluster, slurm, tmp_path, alloc_env, MN_MODE=mode, **extra)
+
+        # 1. SIGTERM to zerorun: forwarded, exit 143.
+        launch = job("loop")
+        launch.wait_for(lambda o: "[node2:3] STEP 10" in o, 90)
+        t0 = time.monotonic()
+        launch.proc.send_signal(signal.SIGTERM)
+        assert launch.finish(15) == 143, launch.output
+        assert time.monotonic() - t0 < 10
+        left = wait_clean(slurm.nodes, 10)
+        assert not left, describe(left)
+
+        # 2. A failing rank on node 2: its exit code, every node stopped.
+        launch = job("fail", MN_FAIL_RANK="3", MN_FAIL_CODE="3")
+        assert launch.finish(90) == 3, launch.output
+        assert re.search(r"rank node2:3 failed \(exit 3\)", launch.output), launch.output
+        left = wait_clean(slurm.nodes, 10)
+        assert not left, describe(left)
+
+        # 3. scancel of the job: the step dies, the launcher reports the nodes lost, exit 255.
+        launch = job("loop")
+        launch.wait_for(lambda o: "[node2:3] STEP 10" in o, 90)
+        t0 = time.monotonic()
+        subprocess.run(["scancel", jid], env=env, check=True, timeout=10)
+        code = launch.finish(15)
+        assert time.monotonic() - t0 < 10, launch.output
+        assert code == 255, launch.output
+        left = wait_clean(slurm.nodes, 10)
+        assert not left, describe(left)
+    finally:
+        subprocess.run(["scancel", "-u", "root"], env=env, timeout=10, check=False)
+        if alloc.poll() is None:
+            alloc.kill()
