@@ -11,7 +11,7 @@ only on GPU jobs, which need it to pick the device):
   every process carrying this rank's `ZERORUN_RUN_ID`/`RANK` (children that called setsid);
 - installs faulthandler (fatal signals, and an all-thread stack dump on SIGUSR1: the
   launcher's `--hang_timeout` asks for it);
-- connects the event channel (`zerorun.launch.events`), reports an uncaught exception as an
+- connects the event channel (`zerorun.channel.events`), reports an uncaught exception as an
   `error` event, and sends a `memory` event every `zerorun.memory_report_interval` seconds of
   the config (default 5; `ZERORUN_MEMORY_REPORT_INTERVAL` overrides it) and at exit;
 - on GPU jobs calls `torch.cuda.set_device(LOCAL_RANK // ZERORUN_RANKS_PER_GPU)`;
@@ -37,7 +37,7 @@ import threading
 import traceback
 from typing import Any, NoReturn
 
-from zerorun.launch import events
+from zerorun.channel import events
 
 __all__ = ["main", "memory_snapshot"]
 

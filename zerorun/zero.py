@@ -31,10 +31,12 @@ class Init:
     ``config`` / ``config_dict_or_path``: the training config (checked: it must be stage 3).
     ``module``: partition an already-built module at once instead of acting as a context.
     ``enabled=False`` makes the context do nothing. ``remote_device="cpu"`` keeps the slices in
-    host memory until ``initialize`` places them. ``dtype``, ``mem_efficient_linear``,
-    ``pin_memory`` and the DeepSpeed group arguments are accepted for compatibility: slices keep
-    the dtype the parameters were created in (so fp32 master weights start exact) and stage 3
-    casts them to the compute dtype in ``initialize``.
+    host memory until ``initialize`` places them. Slices keep the dtype the parameters were created
+    in (so fp32 master weights start exact; stage 3 casts them to the compute dtype in
+    ``initialize``) unless ``dtype`` is given: floating parameters are then partitioned in that
+    dtype, as DeepSpeed's ``zero.Init`` does (``deepspeed.zero.Init`` passes the config's 16-bit
+    dtype). ``mem_efficient_linear``, ``pin_memory`` and the DeepSpeed group arguments are
+    accepted for compatibility.
     """
 
     def __init__(
@@ -70,11 +72,11 @@ class Init:
         group = data_parallel_group if data_parallel_group is not None else ctx.group
         self.comm = Communicator(group, ctx.device)
         if module is not None:
-            partition_module(module, self.comm, store)
+            partition_module(module, self.comm, store, dtype)
             install_state_dict_hooks(module)
             self.enabled = False  # nothing left to do as a context
             return
-        self._ctx = InitContext(self.comm, store)
+        self._ctx = InitContext(self.comm, store, dtype)
 
     @staticmethod
     def _check_stage(cfg: Any) -> None:

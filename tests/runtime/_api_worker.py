@@ -265,7 +265,7 @@ def check_param_outside_optimizer_is_left_alone() -> None:
 
 
 def check_memory_provider_registered() -> None:
-    from zerorun.launch import events
+    from zerorun.channel import events
 
     engine, *_ = zerorun.initialize(
         model=model(), config=cfg(optimizer={"type": "AdamW", "params": {"lr": 0.1}})

@@ -1,2 +1,2 @@
-"""Launching jobs: hosts, plan, runners, supervisor, console. Imports nothing, so that
-`import zerorun.launch.events` from a rank stays cheap."""
+"""Launching jobs: hosts, plan, runners, supervisor, console. Imports nothing; the channel the
+ranks write to is `zerorun.channel`, not part of this package."""

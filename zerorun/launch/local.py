@@ -30,7 +30,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from zerorun.errors import LaunchError
-from zerorun.launch import events
+from zerorun.channel import events
 from zerorun.launch.messages import RankEvent, RankExit, RankOutput, RankStarted, Sink
 from zerorun.launch.plan import DeviceInfo, LaunchPlan, NodePlan, RankSpec, parse_visible_devices
 

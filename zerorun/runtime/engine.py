@@ -46,7 +46,7 @@ def _cast_inputs(value: Any, dtype: torch.dtype) -> Any:
 
 def _events() -> Any:
     try:
-        from zerorun.launch import events
+        from zerorun.channel import events
     except ImportError:  # the launcher's module is optional for the runtime
         return None
     return events

@@ -21,7 +21,7 @@ def collectives() -> None:
     import torch
     import torch.distributed as dist
 
-    from zerorun.launch import events
+    from zerorun.channel import events
 
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     t = torch.full((4,), float(RANK + 1))
@@ -119,7 +119,7 @@ def main() -> None:
     elif MODE == "children":
         spawn_children()
     elif MODE == "hang":
-        from zerorun.launch import events
+        from zerorun.channel import events
 
         events.emit("status", step=5 if RANK == 0 else 3)
         print(f"rank {RANK} about to hang", flush=True)

@@ -86,6 +86,35 @@ def _evaluation_only_optimizer(groups: Any) -> torch.optim.Optimizer:
     return torch.optim.SGD(groups, lr=0.0)
 
 
+def info_line(settings: Any) -> str:
+    """DeepSpeed's ``DeepSpeed info: version=...`` line (logged on ``deepspeed.utils.logger`` at
+    ``initialize``; tools look for it), with what zerorun runs: stage, precision, offload."""
+    from zerorun.compat.activation import COMPAT_VERSION
+
+    if settings.fp16:
+        precision = "fp16"
+    elif settings.policy.param_dtype == torch.bfloat16:
+        precision = "bf16"
+    else:
+        precision = "fp32"
+    offload = getattr(settings, "offload", None)  # the settings' option objects (or their flat names before them)
+    if offload is not None:
+        opt_device, param_device = offload.optimizer_device, offload.param_device
+    else:
+        opt_device, param_device = settings.offload_optimizer_device, settings.offload_param_device
+    return (
+        f"DeepSpeed info: version={COMPAT_VERSION}, git-hash=None, git-branch=None "
+        f"(zerorun: zero stage={settings.stage}, precision={precision}, "
+        f"offload_optimizer={opt_device}, offload_param={param_device})"
+    )
+
+
+def _log_info(engine: Any) -> None:
+    from zerorun.compat.deepspeed.utils import log_dist
+
+    log_dist(info_line(engine.settings), ranks=[0])
+
+
 def initialize(
     args: Any = None,
     model: nn.Module | None = None,
@@ -132,4 +161,5 @@ def initialize(
         config=runtime_cfg,
     )
     ds_engine = DeepSpeedEngine(engine, cfg, training_dataloader=loader, evaluation_only=evaluation_only)
+    _log_info(engine)
     return ds_engine, (None if evaluation_only else opt), loader, sched

@@ -10,7 +10,9 @@ form groups (first rule that applies):
 3. default: every element of a ``ModuleList``/``Sequential`` whose class repeats in it
    (transformer blocks and the like).
 
-The root module's group holds everything else. A parameter used by modules of two groups (tied
+A module flagged ``_z3_leaf`` (DeepSpeed's leaf modules: ``deepspeed.utils.set_z3_leaf_modules``)
+is one group with all its children whatever the rule chose inside it -- a mixture-of-experts
+block whose step may not run every expert. The root module's group holds everything else. A parameter used by modules of two groups (tied
 weights across groups) belongs to the root group, which stays gathered from the start of the
 forward to the end of the backward, so every user of it sees it. Parameters with at most
 ``stage3_param_persistence_threshold`` elements are *persistent*: replicated on every rank,
@@ -105,6 +107,20 @@ def _repeated_blocks(root: nn.Module) -> list[tuple[str, nn.Module]]:
     return chosen
 
 
+def _with_leaves(root: nn.Module, found: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
+    """Groups chosen inside a leaf module give way to the leaf (outermost leaf wins); a leaf
+    already inside a chosen group stays part of it."""
+    leaves = [(path, m) for path, m in root.named_modules() if path and getattr(m, "_z3_leaf", False)]
+    if not leaves:
+        return found
+    below_leaf = {id(x) for _p, leaf in leaves for x in leaf.modules() if x is not leaf}
+    kept = [(path, m) for path, m in found if id(m) not in below_leaf]
+    covered = {id(x) for _p, m in kept for x in m.modules()}
+    kept += [(path, m) for path, m in leaves if id(m) not in below_leaf and id(m) not in covered]
+    order = {id(m): i for i, m in enumerate(root.modules())}
+    return sorted(kept, key=lambda pm: order[id(pm[1])])
+
+
 def group_modules(
     root: nn.Module, *, class_names: Sequence[str] | None, min_numel: int
 ) -> list[tuple[str, nn.Module]]:
@@ -117,6 +133,7 @@ def group_modules(
         found.sort(key=lambda pm: order[id(pm[1])])
     else:
         found = _repeated_blocks(root)
+    found = _with_leaves(root, found)
     seen: set[int] = set()
     out = []
     for path, m in found:  # a module registered twice is one group

@@ -4,7 +4,8 @@ Inside the context every ``nn.Module`` subclass's ``__init__`` is wrapped: when 
 ``__init__`` of a module object returns (subclasses calling ``super().__init__`` count once),
 the parameters of that module not yet partitioned are cut: each rank keeps the contiguous
 ``ceil(numel / world)`` slice of the flattened values it owns (the "init shard", in the dtype
-the parameter was created in, on the training device) and the parameter's ``.data`` becomes the
+the parameter was created in -- or in ``Init(dtype=...)``'s for floating parameters, as
+DeepSpeed's -- on the training device) and the parameter's ``.data`` becomes the
 placeholder: right shape, every element one shared NaN, so in-place writes raise and reads are
 NaN (``p.ds_shape`` / ``p.ds_numel`` as in DeepSpeed). Peak memory is one module's own
 parameters, never the model. (After ``initialize`` a released parameter is stage 3's empty
@@ -67,12 +68,18 @@ _PARTITION_ORDER = itertools.count()
 class InitShard:
     """This rank's slice of one parameter partitioned by ``zero.Init``."""
 
-    def __init__(self, p: nn.Parameter, comm: Communicator, store_device: torch.device | None = None) -> None:
+    def __init__(
+        self,
+        p: nn.Parameter,
+        comm: Communicator,
+        store_device: torch.device | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
         flat = p.detach().reshape(-1)
         self.comm = comm  # collectives run on the training device (NCCL cannot gather host tensors)
         store = comm.device if store_device is None else store_device
         self.shape = torch.Size(p.shape)
-        self.dtype = p.dtype
+        self.dtype = dtype if dtype is not None and p.dtype.is_floating_point else p.dtype
         # Where the parameter was created (the CPU for a model built as usual): init code run
         # on it later (``nn.init.*_``, ``module.apply``) gets its full values *there*, so it draws
         # from that device's generator -- as without the context. (On the training GPU it would
@@ -81,14 +88,14 @@ class InitShard:
         self.numel = flat.numel()
         self.shard_numel = max(1, math.ceil(self.numel / comm.world_size))
         start = comm.rank * self.shard_numel
-        self.shard = torch.zeros(self.shard_numel, dtype=p.dtype, device=store)
+        self.shard = torch.zeros(self.shard_numel, dtype=self.dtype, device=store)
         piece = flat[start : start + self.shard_numel]
         self.shard[: piece.numel()].copy_(piece)
         # Until initialize: a placeholder of the right shape (init code branches on p.dim() and
         # p.shape) that cannot be written (every element aliases one NaN: in-place writes raise)
         # and reads as NaN, never as plausible values.
-        fill = float("nan") if p.dtype.is_floating_point else 0
-        self.placeholder = torch.full((1,), fill, dtype=p.dtype, device=comm.device).expand(self.shape)
+        fill = float("nan") if self.dtype.is_floating_point else 0
+        self.placeholder = torch.full((1,), fill, dtype=self.dtype, device=comm.device).expand(self.shape)
         p.data = self.placeholder
         p.ds_shape = self.shape  # type: ignore[attr-defined]
         p.ds_numel = self.numel  # type: ignore[attr-defined]
@@ -125,13 +132,19 @@ class InitShard:
             del p._zerorun_init  # type: ignore[attr-defined]
 
 
-def partition_module(module: nn.Module, comm: Communicator, store_device: torch.device | None = None) -> int:
-    """Partition every parameter of ``module`` not partitioned yet; returns how many."""
+def partition_module(
+    module: nn.Module,
+    comm: Communicator,
+    store_device: torch.device | None = None,
+    dtype: torch.dtype | None = None,
+) -> int:
+    """Partition every parameter of ``module`` not partitioned yet (floating ones in ``dtype``
+    when given); returns how many."""
     n = 0
     for p in module.parameters():
         if p.numel() == 0 or hasattr(p, "_zerorun_init") or hasattr(p, "_zerorun_group"):
             continue
-        InitShard(p, comm, store_device)
+        InitShard(p, comm, store_device, dtype)
         n += 1
     return n
 
@@ -187,9 +200,12 @@ class InitContext:
 
     active: InitContext | None = None
 
-    def __init__(self, comm: Communicator, store_device: torch.device | None = None) -> None:
+    def __init__(
+        self, comm: Communicator, store_device: torch.device | None = None, dtype: torch.dtype | None = None
+    ) -> None:
         self.comm = comm
         self.store_device = store_device
+        self.dtype = dtype
         self._depth: dict[int, int] = {}
         self._saved: list[tuple[Any, str, Any]] = []
 
@@ -215,7 +231,7 @@ class InitContext:
             if ctx._depth[key] == 0:
                 del ctx._depth[key]
                 if InitContext.active is ctx:
-                    partition_module(module, ctx.comm, ctx.store_device)
+                    partition_module(module, ctx.comm, ctx.store_device, ctx.dtype)
                     install_state_dict_hooks(module)
 
         __init__._zerorun_wrapped = True  # type: ignore[attr-defined]

@@ -50,10 +50,28 @@ class DeepSpeedEngine(nn.Module):
         self._explicit_boundary: bool | None = None
         self._no_sync = False
         self._step_applied = False
+        # DeepSpeed's norm of the last step: None before any step; a skipped (fp16 overflow)
+        # step leaves it unchanged, 0.0 when no step has been applied yet (its ZeRO optimizers
+        # start from 0.0 and set the norm only after the overflow check).
+        self._grad_norm: float | None = None
         if not evaluation_only:
             # DeepSpeed's ZeRO optimizers carry `overflow`; accelerate reads it after each step
             # to decide whether the Trainer's scheduler steps.
             engine.optimizer.overflow = False
+            self._expose_master_weights()
+
+    def _expose_master_weights(self) -> None:
+        """The fp32 master shards under the names DeepSpeed's ZeRO optimizers give them
+        (``single_partition_of_fp32_groups`` at stages 1-2, ``fp32_partitioned_groups_flat`` at
+        stage 3): tests and tools read them to check the masters are fp32. The same tensors
+        the optimizer steps (a checkpoint load copies into them)."""
+        state = getattr(self._engine.stage, "state", None)
+        masters = list(getattr(state, "masters", []))
+        opt = self._engine.optimizer
+        if self._engine.settings.stage >= 3:
+            opt.fp32_partitioned_groups_flat = masters
+        elif self._engine.settings.stage >= 1:
+            opt.single_partition_of_fp32_groups = masters
 
     # -- what is not here ----------------------------------------------------------------------
     def __getattr__(self, name: str) -> Any:
@@ -129,6 +147,10 @@ class DeepSpeedEngine(nn.Module):
         # The inner engine's step without its micro-batch counting (done in backward here).
         inner._take_model_step()
         overflow = inner.skipped_steps != skipped
+        if not overflow:
+            self._grad_norm = inner.get_global_grad_norm()
+        elif self._grad_norm is None:
+            self._grad_norm = 0.0
         inner.optimizer.overflow = overflow
         self._step_applied = not overflow
         self._window = 0
@@ -155,7 +177,9 @@ class DeepSpeedEngine(nn.Module):
         self._engine.zero_grad()
 
     def get_global_grad_norm(self) -> float | None:
-        return self._engine.get_global_grad_norm()
+        """The gradient norm of the last applied step, as DeepSpeed: never the non-finite norm
+        of a skipped fp16 step (see ``_grad_norm``)."""
+        return self._grad_norm
 
     # -- DeepSpeed's read-outs -----------------------------------------------------------------
     @property

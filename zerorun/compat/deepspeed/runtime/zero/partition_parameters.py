@@ -2,9 +2,10 @@
 the constructor wrapper transformers patches around ``from_pretrained``.
 
 zerorun's ``zero.Init`` partitions each module's parameters when its ``__init__`` returns
-(runtime/stage3/init.py); it does not wrap torch's tensor constructors as DeepSpeed's does, so
-parameters keep the dtype they were created in and ``zero_wrapper_for_fp_tensor_constructor``
-is not called by zerorun. It is here, with DeepSpeed's behaviour, for code that patches it
+(runtime/stage3/init.py); floating parameters are partitioned in DeepSpeed's dtype (``dtype=``,
+else the config's: bf16 or fp16 when enabled, else fp32). It does not wrap torch's tensor
+constructors as DeepSpeed's does, so buffers keep the dtype they were created in and
+``zero_wrapper_for_fp_tensor_constructor`` is not called by zerorun. It is here, with DeepSpeed's behaviour, for code that patches it
 (transformers' ``prevent_arange_dtype_change``) or calls it.
 """
 
@@ -62,6 +63,36 @@ def GatheredParameters(  # noqa: N802 - DeepSpeed's name
     return _zero.GatheredParameters(partitioned, modifier_rank=modifier_rank, fwd_module=fwd_module, enabled=enabled)
 
 
+def _section_enabled(cfg: Any, key: str) -> bool:
+    if isinstance(cfg, dict):
+        section = cfg.get(key)
+        if key == "bf16" and section is None:
+            section = cfg.get("bfloat16")
+        return isinstance(section, dict) and section.get("enabled") is True
+    if isinstance(cfg, (str, Path)):
+        from zerorun.config import load_config
+
+        cfg = load_config(cfg).config
+    section = getattr(getattr(cfg, "config", cfg), key, None)
+    return bool(getattr(section, "enabled", False)) is True
+
+
+def init_dtype(cfg: Any, dtype: Any) -> torch.dtype | None:
+    """The dtype DeepSpeed's ``zero.Init`` creates parameters in: ``dtype`` when given, else the
+    config's (bf16, fp16, or fp32 when neither is enabled; ``"auto"`` counts as not enabled).
+    Without either, parameters keep the dtype they were created in (DeepSpeed would pick fp16
+    or bf16 by what the accelerator supports)."""
+    if dtype is not None:
+        return dtype
+    if cfg is None:
+        return None
+    if _section_enabled(cfg, "bf16"):
+        return torch.bfloat16
+    if _section_enabled(cfg, "fp16"):
+        return torch.float16
+    return torch.float32
+
+
 def _stage_of(cfg: Any) -> int:
     if isinstance(cfg, dict):
         zero = cfg.get("zero_optimization") or {}
@@ -109,7 +140,7 @@ class Init(_zero.Init):
             remote_device=remote_device,
             pin_memory=pin_memory,
             enabled=enabled,
-            dtype=dtype,
+            dtype=init_dtype(cfg, dtype),
             **kwargs,
         )
 

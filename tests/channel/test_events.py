@@ -1,11 +1,12 @@
-"""The rank->launcher event channel: one JSON line per event, whole under concurrent writers."""
+"""zerorun/channel/events.py: the rank->launcher event channel, one JSON line per event, whole under
+concurrent writers."""
 
 from __future__ import annotations
 
 import os
 import threading
 
-from zerorun.launch import events
+from zerorun.channel import events
 
 
 def test_events_over_a_pipe() -> None:
