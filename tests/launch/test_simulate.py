@@ -93,3 +93,17 @@ def test_connect_retries_transient_failures_and_tables_the_rest():
             prepare(sim_plan(NODES, RANKS), cluster)
     finally:
         assert cluster.close()["ranks_started"] == 0
+
+
+def test_a_node_gets_only_its_own_part_of_the_plan():
+    from zerorun.launch import wire
+
+    plan = sim_plan(1000, 8)
+    t0 = time.monotonic()
+    sent = [wire.encode("plan", plan=wire.plan_to_dict(plan, n)) for n in range(1000)]
+    assert time.monotonic() - t0 < 10.0  # converted once, not per node (was ~1 MB each)
+    assert max(len(s) for s in sent) < 4000
+    again = wire.plan_from_dict(wire.decode(sent[537])["plan"])
+    assert len(again.nodes) == 1000 and again.nodes[537] == plan.nodes[537] and not again.nodes[3].ranks
+    for spec in plan.nodes[537].ranks:
+        assert again.rank_env(spec) == plan.rank_env(spec)

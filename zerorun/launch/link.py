@@ -131,6 +131,10 @@ class LinkHub:
         self._wake_r, self._wake_w = socket.socketpair()
         self._sel.register(self._wake_r, selectors.EVENT_READ, None)
         self._beating: list[LinkRunner] = []
+        # When the reader last began a round: every link with data waiting then is read in that
+        # round. Silence is measured up to here, so a launcher starved of CPU (its reader thread
+        # not running) does not mistake its own stall for silent nodes.
+        self.round_at = time.monotonic()
         self._beat_lock = threading.Lock()
         self._stop = threading.Event()
         self._reader = threading.Thread(target=self._read_loop, name="zerorun-link-reader", daemon=True)
@@ -160,6 +164,7 @@ class LinkHub:
 
     def _read_loop(self) -> None:
         while not self._stop.is_set():
+            self.round_at = time.monotonic()
             try:
                 ready = self._sel.select(timeout=0.5)
             except (OSError, ValueError):  # closed under us
@@ -265,7 +270,7 @@ class LinkRunner:
     def _tick(self, now: float) -> None:
         if self._lost or self.link.closed.is_set():
             return
-        silent = now - self.link.last_heard
+        silent = min(now, self.hub.round_at) - self.link.last_heard
         if silent > self.heartbeat_timeout_s:
             self._lose(
                 f"{self.link.display} is unreachable: no heartbeat from its agent for {silent:.0f} s "

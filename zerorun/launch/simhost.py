@@ -237,6 +237,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     with open(args.scenario, encoding="utf-8") as fh:
         scenario = Scenario.from_json(json.load(fh))
+    # What the agent imports when its plan arrives, once for all the agents of this process now:
+    # a start-up measurement is then the launcher's, not this host's import time.
+    import zerorun.launch.local  # noqa: F401
+    import zerorun.launch.messages  # noqa: F401
     host = Host(args.socket, scenario)
     print("ready", flush=True)
     totals = host.serve()

@@ -85,6 +85,12 @@ class Supervisor:
         self.hang_timeout = hang_timeout
         self.log_dir = Path(log_dir) if log_dir is not None else None
         self.states = {spec.rank: RankState(spec) for spec in plan.ranks}
+        # Kept as the states change, not recounted: a scan of 8,000 states per loop turn (or
+        # per lost node) is what made the loop fall behind at 1,000 nodes.
+        self._live_count = len(self.states)
+        self._by_node: dict[int, list[RankState]] = {}
+        for st in self.states.values():
+            self._by_node.setdefault(st.spec.node_rank, []).append(st)
         self._queue: queue.SimpleQueue[Message | None] = queue.SimpleQueue()
         self._pending_signal: int | None = None
         self._signals_seen = 0
@@ -148,7 +154,7 @@ class Supervisor:
         return [s for s in self.states.values() if s.returncode is None and s.state != "lost"]
 
     def _loop(self) -> None:
-        while self._live():
+        while self._live_count > 0:
             batch = self._next_batch(timeout=0.2)
             self._handle(batch)
             now = time.monotonic()
@@ -161,6 +167,7 @@ class Supervisor:
             if self._killed_at is not None and now - self._killed_at > _AFTER_KILL_WAIT_S:
                 for s in self._live():
                     s.state = "lost"
+                self._live_count = 0
                 break
             self._check_hang(now)
             self.console.refresh()
@@ -255,6 +262,7 @@ class Supervisor:
         if state.returncode is not None or state.state == "lost":
             return
         state.returncode = msg.returncode
+        self._live_count -= 1
         state.ended = time.monotonic()
         if state.started is None:
             state.started = state.ended
@@ -276,10 +284,11 @@ class Supervisor:
 
     def _on_node_lost(self, msg: NodeLost) -> None:
         host = self.plan.nodes[msg.node_rank].host.name
-        for state in self.states.values():
-            if state.spec.node_rank == msg.node_rank and state.returncode is None:
+        for state in self._by_node.get(msg.node_rank, ()):
+            if state.returncode is None and state.state != "lost":
                 state.state = "lost"
                 state.ended = time.monotonic()
+                self._live_count -= 1
         if not self._stopping:
             self._reason = "node_lost"
             self._exit_code = NODE_LOST_EXIT_CODE

@@ -67,13 +67,36 @@ def plan_to_dict(plan: Any, node_rank: int | None = None) -> dict[str, Any]:
     (the whole plan per node would be ~1 MB of JSON each, a GB in all)."""
     import dataclasses
 
-    total = len(plan.nodes)
-    if node_rank is not None:
-        plan = dataclasses.replace(plan, nodes=(plan.nodes[node_rank],))
-    data = dataclasses.asdict(plan)
-    data["omp_threads"] = {str(k): v for k, v in dict(plan.omp_threads).items()}
-    data["num_nodes"] = total
-    return data
+    if node_rank is None:
+        data = dataclasses.asdict(plan)
+        data["omp_threads"] = {str(k): v for k, v in dict(plan.omp_threads).items()}
+        data["num_nodes"] = len(plan.nodes)
+        return data
+    # Everything but the nodes is the same for every node: converted once per plan.
+    global _skeleton
+    if _skeleton is None or _skeleton[0] is not plan:
+        base = dataclasses.asdict(dataclasses.replace(plan, nodes=()))
+        base["omp_threads"] = {str(k): v for k, v in dict(plan.omp_threads).items()}
+        base["num_nodes"] = len(plan.nodes)
+        _skeleton = (plan, base)
+    return {**_skeleton[1], "nodes": [_data(plan.nodes[node_rank])]}
+
+
+_skeleton: tuple[Any, dict[str, Any]] | None = None
+
+
+def _data(obj: Any) -> Any:
+    """`dataclasses.asdict` without its deep copies (read-only data about to become JSON):
+    ~10x faster, which counts once per node of a 1,000-node job."""
+    import dataclasses
+
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: _data(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, (list, tuple)):
+        return [_data(v) for v in obj]
+    if isinstance(obj, dict) or hasattr(obj, "items"):
+        return {k: _data(v) for k, v in obj.items()}
+    return obj
 
 
 def plan_from_dict(data: dict[str, Any]) -> Any:

@@ -1,0 +1,361 @@
+"""The launcher at 8 to 1,000 nodes x 8 ranks, by simulation (`zerorun/launch/simulate.py`). Not a test.
+
+    .venv/bin/python -m benchmarks.launcher_scale startup    [--nodes 8,64,256,1000] [--latency 0.05] [--parallelism 32]
+    .venv/bin/python -m benchmarks.launcher_scale throughput [--nodes 1000] [--rate 1] [--seconds 60]
+    .venv/bin/python -m benchmarks.launcher_scale failfast   [--nodes 8,64,256,1000]
+    .venv/bin/python -m benchmarks.launcher_scale silent     [--nodes 1000]
+    .venv/bin/python -m benchmarks.launcher_scale ssh        [--connections 64]   (root: starts a private sshd on loopback)
+
+Every run goes through the launcher's real code: `simulate.prepare` (bounded connect fan-out
+with the injected latency, the preflight on every agent), `Supervisor.run` with the plain
+console (to /dev/null) and `--log_dir` (every line of every rank written to disk). Only the
+far side is simulated: real node agents with synthetic ranks, many per process. Results are
+merged into `benchmarks/results/launcher_scale.json` (one section per command and size), with
+the machine's description; the docs quote that file.
+
+What each command measures:
+- startup: from `prepare` (zerorun's connect fan-out) to every rank reported running.
+- throughput: every rank prints `--rate` lines/s for `--seconds`; the launcher's CPU per line
+  (its whole process: link reader, supervisor, console, log files), the lag from a line's
+  write (its `t=` stamp, CLOCK_MONOTONIC, the same in every process) to the console, per
+  10-second window (bounded = no backlog), and the line rate actually achieved.
+- failfast: one rank exits 3 at 2 s; time from the supervisor seeing it to `run()` returning
+  with every rank stopped; ranks left alive on the agents afterwards (must be 0).
+- silent: one node goes silent (link drop) at 3 s; time until the launcher names it, vs the
+  10 s heartbeat timeout.
+- ssh: `--connections` real SSH connections (paramiko) to a private sshd on 127.0.0.1, each
+  running the real node agent's preflight: the launcher's CPU seconds, RSS and threads per
+  connection, and the wall time; extrapolated to 1,000 nodes at parallelism 64.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import resource
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "benchmarks" / "results" / "launcher_scale.json"
+_STAMP = re.compile(r" t=(\d+\.\d+)$")
+
+
+# --- measuring console ----------------------------------------------------------------------
+
+
+class Probe:
+    """Wraps the real console: counts lines, samples each line's lag, notes when every rank
+    runs and when errors are announced."""
+
+    def __init__(self, inner: Any, *, sample_every: int = 8) -> None:
+        self.inner = inner
+        self.sample_every = sample_every
+        self.states: Sequence[Any] = ()
+        self.lines = 0
+        self.stamped = 0
+        self.lags: list[tuple[float, float]] = []  # (arrival, lag)
+        self.all_running_at: float | None = None
+        self.notes: list[tuple[float, str, str]] = []
+        self._next_check = 0.0
+        self._n = 0
+
+    def begin(self, plan: Any, states: Sequence[Any]) -> None:
+        self.states = states
+        self.inner.begin(plan, states)
+
+    def output(self, lines: Sequence[Any]) -> None:
+        now = time.monotonic()
+        self.lines += len(lines)
+        for line in lines:
+            self._n += 1
+            if self._n % self.sample_every:
+                continue
+            m = _STAMP.search(line.text)
+            if m:
+                self.lags.append((now, now - float(m.group(1))))
+        self.inner.output(lines)
+
+    def note(self, text: str, *, level: str = "info") -> None:
+        self.notes.append((time.monotonic(), level, text))
+        self.inner.note(text, level=level)  # type: ignore[arg-type]
+
+    def refresh(self) -> None:
+        now = time.monotonic()
+        if self.all_running_at is None and now >= self._next_check:
+            self._next_check = now + 0.01
+            if all(s.state != "starting" for s in self.states):
+                self.all_running_at = now
+        self.inner.refresh()
+
+    def stop(self) -> None:
+        self.inner.stop()
+
+    def end(self, result: Any) -> None:
+        self.inner.end(result)
+
+
+def _cpu_of(pid: int) -> float:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+def _machine() -> dict[str, Any]:
+    load = os.getloadavg()
+    return {
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "loadavg_1m_at_start": round(load[0], 2),
+    }
+
+
+def _save(section: str, key: str, data: dict[str, Any]) -> None:
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    doc: dict[str, Any] = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+    doc.setdefault("schema", "zerorun-launcher-scale/1")
+    doc.setdefault(section, {})[key] = {**data, "machine": _machine(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    tmp = RESULTS.with_suffix(".tmp")
+    tmp.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, RESULTS)
+    print(f"{section}[{key}]: {json.dumps(data)}", flush=True)
+
+
+# --- one simulated job -------------------------------------------------------------------------
+
+
+def run_sim(nodes: int, ranks: int, scenario: Any, *, parallelism: int, heartbeat_timeout_s: float = 10.0,
+            grace: float = 2.0) -> dict[str, Any]:
+    from zerorun.launch.console import PlainConsole
+    from zerorun.launch.simulate import SimCluster, prepare, sim_plan
+    from zerorun.launch.supervisor import Supervisor
+
+    cluster = SimCluster.start(nodes, scenario)
+    devnull = open(os.devnull, "w")  # noqa: SIM115
+    logs = tempfile.mkdtemp(prefix="zerorun-scale-logs-")
+    try:
+        plan = sim_plan(nodes, ranks)
+        cpu0, t0 = time.process_time(), time.monotonic()
+        plan, runners = prepare(plan, cluster, parallelism=parallelism, heartbeat_timeout_s=heartbeat_timeout_s)
+        t_prepared = time.monotonic()
+        probe = Probe(PlainConsole(out=devnull, err=devnull))
+        host_cpu0 = sum(_cpu_of(p.pid) for p in cluster.procs)
+        threads = threading.active_count()
+        result = Supervisor(plan, runners, probe, grace_period=grace, log_dir=logs).run()
+        t_end = time.monotonic()
+        cpu_end = time.process_time()
+        host_cpu = sum(_cpu_of(p.pid) for p in cluster.procs) - host_cpu0
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    finally:
+        totals = cluster.close()
+        devnull.close()
+        subprocess.run(["rm", "-rf", logs], check=False)
+    return {
+        "t0": t0, "prepared": t_prepared, "end": t_end, "cpu0": cpu0, "cpu_end": cpu_end,
+        "probe": probe, "result": result, "totals": totals, "host_cpu_s": host_cpu, "launcher_threads": threads,
+        "launcher_peak_rss": rss, "agent_processes": len(cluster.procs),
+    }
+
+
+def _lag_windows(probe: Probe, start: float, end: float, width: float = 10.0) -> list[dict[str, Any]]:
+    out = []
+    t = start
+    while t < end:
+        lags = [lag for at, lag in probe.lags if t <= at < t + width]
+        if lags:
+            lags.sort()
+            out.append({
+                "from_s": round(t - start, 1), "samples": len(lags),
+                "p50_ms": round(1000 * lags[len(lags) // 2], 2),
+                "p99_ms": round(1000 * lags[min(len(lags) - 1, int(len(lags) * 0.99))], 2),
+                "max_ms": round(1000 * lags[-1], 2),
+            })
+        t += width
+    return out
+
+
+# --- commands ----------------------------------------------------------------------------------
+
+
+def cmd_startup(args: argparse.Namespace) -> None:
+    from zerorun.launch.simulate import Scenario
+
+    for nodes in args.nodes:
+        sc = Scenario(line_rate=0.5, event_interval_s=2.0, duration_s=args.hold, connect_latency_s=args.latency)
+        r = run_sim(nodes, args.ranks, sc, parallelism=args.parallelism)
+        probe = r["probe"]
+        running = probe.all_running_at
+        _save("startup", f"{nodes}x{args.ranks}-p{args.parallelism}", {
+            "nodes": nodes, "ranks": nodes * args.ranks, "parallelism": args.parallelism,
+            "connect_latency_s": args.latency,
+            "connect_and_preflight_s": round(r["prepared"] - r["t0"], 3),
+            "to_all_running_s": round(running - r["t0"], 3) if running else None,
+            "ideal_latency_bound_s": round(-(-nodes // args.parallelism) * args.latency, 3),
+            "exit_code": r["result"].exit_code, "ranks_left": r["totals"]["ranks_left"],
+            "agent_processes": r["agent_processes"], "launcher_threads": r["launcher_threads"],
+        })
+
+
+def cmd_throughput(args: argparse.Namespace) -> None:
+    from zerorun.launch.simulate import Scenario
+
+    for nodes in args.nodes:
+        sc = Scenario(line_rate=args.rate, event_interval_s=args.event_interval, duration_s=args.seconds,
+                      warn_interval_s=30.0)
+        r = run_sim(nodes, args.ranks, sc, parallelism=64)
+        probe, result = r["probe"], r["result"]
+        start = (probe.all_running_at or r["prepared"]) + args.warmup
+        end = r["end"] - 1.0
+        stamped = [at for at, _ in probe.lags if start <= at < end]
+        achieved = len(stamped) * probe.sample_every / max(1e-9, end - start)
+        target = nodes * args.ranks * args.rate
+        launcher_cpu = r["cpu_end"] - r["cpu0"]
+        windows = _lag_windows(probe, start, end)
+        p99s = [w["p99_ms"] for w in windows]
+        _save("throughput", f"{nodes}x{args.ranks}-r{args.rate:g}-s{args.seconds:g}", {
+            "nodes": nodes, "ranks": nodes * args.ranks, "lines_per_rank_s": args.rate, "seconds": args.seconds,
+            "target_lines_s": target, "achieved_lines_s": round(achieved, 1),
+            "achieved_fraction": round(achieved / target, 3), "counts": achieved >= 0.95 * target,
+            "lines_total": probe.lines,
+            "launcher_cpu_s": round(launcher_cpu, 2),
+            "launcher_cpu_per_line_us": round(1e6 * launcher_cpu / max(1, probe.lines), 2),
+            "launcher_cpu_fraction_of_one_core": round(launcher_cpu / (r["end"] - r["t0"]), 3),
+            "agent_hosts_cpu_s": round(r["host_cpu_s"], 2), "agent_processes": r["agent_processes"],
+            "lag_windows": windows,
+            "lag_p99_first_window_ms": p99s[0] if p99s else None, "lag_p99_last_window_ms": p99s[-1] if p99s else None,
+            "launcher_peak_rss_mib": round(r["launcher_peak_rss"] / 2**20, 1),
+            "launcher_threads": r["launcher_threads"],
+            "exit_code": result.exit_code, "ranks_left": r["totals"]["ranks_left"],
+        })
+
+
+def cmd_failfast(args: argparse.Namespace) -> None:
+    from zerorun.launch.simulate import Scenario
+
+    for nodes in args.nodes:
+        victim = nodes * args.ranks // 2 + 3
+        sc = Scenario(line_rate=1.0, event_interval_s=2.0, fail={victim: (2.0, 3)})
+        r = run_sim(nodes, args.ranks, sc, parallelism=64)
+        probe, result = r["probe"], r["result"]
+        seen = next((at for at, level, _ in probe.notes if level == "error"), None)
+        states = {s.state for s in result.ranks}
+        _save("failfast", f"{nodes}x{args.ranks}", {
+            "nodes": nodes, "ranks": nodes * args.ranks, "failed_rank": victim,
+            "exit_code": result.exit_code, "first_failure": result.first_failure,
+            "failure_to_all_stopped_s": round(r["end"] - seen, 3) if seen else None,
+            "rank_states": sorted(states), "ranks_left": r["totals"]["ranks_left"],
+            "agents_left": r["totals"]["agents_left"],
+        })
+
+
+def cmd_silent(args: argparse.Namespace) -> None:
+    from zerorun.launch.simulate import Scenario
+
+    for nodes in args.nodes:
+        node = nodes // 3
+        sc = Scenario(line_rate=1.0, event_interval_s=2.0, silent={node: 3.0})
+        r = run_sim(nodes, args.ranks, sc, parallelism=64, heartbeat_timeout_s=args.timeout)
+        probe, result = r["probe"], r["result"]
+        seen = next((at for at, level, _ in probe.notes if level == "error"), None)
+        # The node fell silent 3 s after its plan arrived; plans go out right after prepare.
+        _save("silent", f"{nodes}x{args.ranks}", {
+            "nodes": nodes, "silent_node": f"sim-{node:04d}", "heartbeat_timeout_s": args.timeout,
+            "detected_after_silence_s": round(seen - (r["prepared"] + 3.0), 2) if seen else None,
+            "message": result.message, "named": f"sim-{node:04d}" in result.message,
+            "exit_code": result.exit_code, "ranks_left": r["totals"]["ranks_left"],
+            "stopped_after_detection_s": round(r["end"] - seen, 2) if seen else None,
+        })
+
+
+def cmd_ssh(args: argparse.Namespace) -> None:
+    from benchmarks.loopback_sshd import loopback_sshd
+
+    from zerorun.launch.remote import preflight
+    from zerorun.launch.ssh import SshOptions
+
+    n = args.connections
+    with loopback_sshd(n) as (config, home):
+        os.environ["HOME"] = home
+        opts = SshOptions(ssh_config=config, parallelism=args.parallelism, preflight_timeout_s=120.0)
+        aliases = [f"node{i}" for i in range(n)]
+        import paramiko  # noqa: F401 - its import cost is not a per-connection cost
+
+        rss0 = _rss()
+        threads0 = threading.active_count()
+        cpu0, t0 = time.process_time(), time.monotonic()
+        pf = preflight(aliases, opts, master=None, master_port=29500, local_port_check=lambda _p: None)
+        wall = time.monotonic() - t0
+        cpu = time.process_time() - cpu0
+        threads = threading.active_count() - threads0
+        rss = _rss() - rss0
+        pf.close()
+    per_conn_wall = wall / -(-n // args.parallelism)
+    _save("ssh", f"{n}-p{args.parallelism}", {
+        "connections": n, "parallelism": args.parallelism,
+        "wall_s": round(wall, 3), "launcher_cpu_s": round(cpu, 3),
+        "cpu_ms_per_connection": round(1000 * cpu / n, 2),
+        "rss_kib_per_connection": round(rss / 1024 / n, 1),
+        "threads_per_connection": round(threads / n, 2),
+        "extrapolated_1000_nodes_p64": {
+            "cpu_bound_s": round(1000 * cpu / n, 1),
+            "latency_bound_s": round(-(-1000 // 64) * per_conn_wall, 1),
+            "threads": round(1000 * threads / n),
+            "rss_mib": round(1000 * rss / n / 2**20, 1),
+            "note": "paramiko's handshakes run under one GIL: the CPU bound is the larger one",
+        },
+    })
+
+
+def _rss() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.launcher_scale")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+
+    def nodes_arg(p: argparse.ArgumentParser, default: str) -> None:
+        p.add_argument("--nodes", type=lambda s: [int(x) for x in s.split(",")], default=[int(x) for x in default.split(",")])
+        p.add_argument("--ranks", type=int, default=8)
+
+    p = sub.add_parser("startup")
+    nodes_arg(p, "8,64,256,1000")
+    p.add_argument("--latency", type=float, default=0.05)
+    p.add_argument("--parallelism", type=int, default=32)
+    p.add_argument("--hold", type=float, default=3.0)
+    p = sub.add_parser("throughput")
+    nodes_arg(p, "1000")
+    p.add_argument("--rate", type=float, default=1.0)
+    p.add_argument("--seconds", type=float, default=60.0)
+    p.add_argument("--warmup", type=float, default=3.0)
+    p.add_argument("--event-interval", type=float, default=5.0)
+    p = sub.add_parser("failfast")
+    nodes_arg(p, "8,64,256,1000")
+    p = sub.add_parser("silent")
+    nodes_arg(p, "1000")
+    p.add_argument("--timeout", type=float, default=10.0)
+    p = sub.add_parser("ssh")
+    p.add_argument("--connections", type=int, default=64)
+    p.add_argument("--parallelism", type=int, default=32)
+    args = parser.parse_args(argv)
+    {"startup": cmd_startup, "throughput": cmd_throughput, "failfast": cmd_failfast,
+     "silent": cmd_silent, "ssh": cmd_ssh}[args.cmd](args)
+
+
+if __name__ == "__main__":
+    main()
