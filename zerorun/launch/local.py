@@ -29,8 +29,8 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from zerorun.errors import LaunchError
 from zerorun.channel import events
+from zerorun.errors import LaunchError
 from zerorun.launch.messages import RankEvent, RankExit, RankOutput, RankStarted, Sink
 from zerorun.launch.plan import DeviceInfo, LaunchPlan, NodePlan, RankSpec, parse_visible_devices
 
