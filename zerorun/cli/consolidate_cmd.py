@@ -5,37 +5,17 @@ torch is imported inside the command only: `zerorun consolidate --help` stays fa
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import typer
 
 from zerorun.cli.errors import report_errors
 from zerorun.errors import CheckpointError
+from zerorun.sizes import parse_size
 
-__all__ = ["app", "parse_size"]
+__all__ = ["app"]
 
 app = typer.Typer(add_completion=False, context_settings={"help_option_names": ["-h", "--help"]})
-
-_UNITS = {
-    "": 1, "B": 1,
-    "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-    "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40,
-}
-
-
-def parse_size(text: str) -> int:
-    """'5GB' -> 5e9 bytes, '500MiB' -> 500 * 2**20, '1000' -> 1000 (Hugging Face's convention:
-    GB is decimal, GiB binary)."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
-    unit = m.group(2).upper() if m else None
-    if m is None or unit not in _UNITS:
-        raise CheckpointError(f"--max_shard_size {text!r}: expected a size such as 5GB, 500MB or 2GiB")
-    n = int(float(m.group(1)) * _UNITS[unit])
-    if n <= 0:
-        raise CheckpointError(f"--max_shard_size {text!r} must be positive")
-    return n
-
 
 @app.command()
 @report_errors

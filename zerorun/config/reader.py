@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Any, Literal
 
 from zerorun.config.jsonc import JsoncError, Locations, Path_, parse_jsonc
-from zerorun.config.yaml_reader import YamlConfigError, parse_yaml
 from zerorun.errors import ConfigError
 
 __all__ = ["RawConfig", "read_source", "dotted"]
@@ -83,17 +82,24 @@ def read_source(source: str | Path | dict[str, Any]) -> RawConfig:
         raise ConfigError(f"{path}: not UTF-8 text (invalid byte at line {line}); save the file as UTF-8") from None
 
     fmt = _guess_format(path, text)
-    try:
-        data, locations = parse_jsonc(text) if fmt == "json" else parse_yaml(text)
-    except JsoncError as err:
-        if err.message.startswith("duplicate key"):
-            raise ConfigError(f"{path}: line {err.line}: {err.message}; keep one of them") from None
-        raise ConfigError(f"{path}: invalid JSON at line {err.line}, column {err.column}: {err.message}") from None
-    except YamlConfigError as err:
-        if err.message.startswith("duplicate key"):
-            raise ConfigError(f"{path}: line {err.line}: {err.message}; keep one of them") from None
-        where = f" at line {err.line}, column {err.column}" if err.line is not None else ""
-        raise ConfigError(f"{path}: invalid YAML{where}: {err.message.removeprefix('invalid YAML: ')}") from None
+    if fmt == "json":
+        try:
+            data, locations = parse_jsonc(text)
+        except JsoncError as err:
+            if err.message.startswith("duplicate key"):
+                raise ConfigError(f"{path}: line {err.line}: {err.message}; keep one of them") from None
+            raise ConfigError(f"{path}: invalid JSON at line {err.line}, column {err.column}: {err.message}") from None
+    else:
+        # PyYAML loads only for a YAML file: ranks parse the JSON the launcher gives them without it.
+        from zerorun.config.yaml_reader import YamlConfigError, parse_yaml
+
+        try:
+            data, locations = parse_yaml(text)
+        except YamlConfigError as err:
+            if err.message.startswith("duplicate key"):
+                raise ConfigError(f"{path}: line {err.line}: {err.message}; keep one of them") from None
+            where = f" at line {err.line}, column {err.column}" if err.line is not None else ""
+            raise ConfigError(f"{path}: invalid YAML{where}: {err.message.removeprefix('invalid YAML: ')}") from None
     if not isinstance(data, dict):
         kind = "a list" if isinstance(data, list) else f"a single value ({data!r})"
         raise ConfigError(

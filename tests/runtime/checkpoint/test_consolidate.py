@@ -9,13 +9,11 @@ import sys
 import textwrap
 from pathlib import Path
 
-import pytest
 import torch
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
-from zerorun.cli.consolidate_cmd import app, parse_size
-from zerorun.errors import CheckpointError
+from zerorun.cli.consolidate_cmd import app
 from zerorun.runtime.checkpoint.format import META_FILE, WEIGHT
 from zerorun.runtime.checkpoint.store import write_rank_shard
 
@@ -144,16 +142,6 @@ def test_cli_user_errors_are_messages(tmp_path):
     (tmp_path / "global_step1").mkdir()
     (tmp_path / "latest").write_text("global_step1")
     assert "is not a complete zerorun checkpoint" in run()
-
-
-def test_parse_size():
-    assert parse_size("5GB") == 5 * 10**9
-    assert parse_size("2GiB") == 2 * 2**30
-    assert parse_size("500mb") == 500 * 10**6
-    assert parse_size("1.5KB") == 1500
-    assert parse_size("123") == 123
-    with pytest.raises(CheckpointError):
-        parse_size("0")
 
 
 _RSS_SCRIPT = textwrap.dedent(

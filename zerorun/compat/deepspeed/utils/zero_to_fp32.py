@@ -66,7 +66,7 @@ def convert_zero_checkpoint_to_fp32_state_dict(
     from zerorun.runtime.checkpoint.consolidate import consolidate
 
     if isinstance(max_shard_size, str):
-        from zerorun.cli.consolidate_cmd import parse_size
+        from zerorun.sizes import parse_size
 
         max_shard_size = parse_size(max_shard_size)
     return consolidate(
