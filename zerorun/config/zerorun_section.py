@@ -6,15 +6,62 @@ the configuration reference is generated from these).
 
 from __future__ import annotations
 
+from pydantic import create_model
+
 from zerorun.config.types import Count, Flag, Real, field
 from zerorun.config.zero_section import Section
 
-__all__ = ["ZerorunSection"]
+__all__ = ["CheckpointSection", "ZerorunSection"]
+
+
+class _CheckpointKeys(Section):
+    """Where and when the runtime saves and resumes by itself (docs/fault-tolerance.md); DeepSpeed's own `checkpoint` section keeps its meaning."""
+
+    dir: str | None = field(
+        None,
+        "Directory of the job's checkpoints: periodic saves go here, and `auto_resume` loads its `latest`. "
+        "Unset: the launcher's `--resume_from` directory, if given.",
+    )
+    auto_resume: Flag = field(
+        False,
+        "`zerorun.initialize` loads `latest` from `dir` when there is one (any world size and stage), before "
+        "returning the engine: steps, scheduler, RNG and the engine's data loader position continue.",
+    )
+    every_n_steps: Count = field(
+        0, "Save a checkpoint from `engine.step()` every N optimizer steps (0: only when the script saves).", ge=0
+    )
+    keep_last: Count = field(
+        0, "Keep the newest N `global_step*` checkpoints in `dir`, deleting older ones after a save (0: keep all).", ge=0
+    )
+
+
+# `async` is a Python keyword: the field is declared through create_model (read it with
+# getattr(section, "async")).
+CheckpointSection = create_model(
+    "CheckpointSection",
+    __base__=_CheckpointKeys,
+    __doc__=_CheckpointKeys.__doc__,
+    **{
+        "async": (
+            Flag,
+            field(
+                False,
+                "Periodic saves are asynchronous: the step stalls only while this rank's shards are copied to "
+                "host memory; a background thread writes, fsyncs and commits `latest` once every rank's part is "
+                "durable (at most one save in flight).",
+            ),
+        )
+    },
+)
 
 
 class ZerorunSection(Section):
     """zerorun's own runtime options."""
 
+    checkpoint: CheckpointSection = field(  # type: ignore[valid-type]
+        default_factory=CheckpointSection,
+        description="Periodic / asynchronous checkpoints and automatic resume (docs/fault-tolerance.md).",
+    )
     memory_report_interval: Real = field(
         5.0, "Seconds between memory reports a rank sends to the launcher (0 disables the periodic report).", ge=0
     )

@@ -256,7 +256,25 @@ def initialize(
         scaler=settings.make_scaler(),
         device=ctx.device,
     )
+    engine.training_dataloader = loader
+    _attach_checkpointing(engine, cfg)
     return engine, torch_opt, loader, scheduler
+
+
+def _attach_checkpointing(engine: Engine, cfg: Any) -> None:
+    """Periodic/async saves, auto-resume and preemption (runtime/checkpoint/autosave.py) when
+    the config's `zerorun.checkpoint` or the launcher (--resume_from, --save_on_preemption)
+    asks for them; the resume happens here, before the script gets the engine."""
+    from zerorun.runtime.checkpoint.options import checkpoint_options
+
+    options = checkpoint_options(getattr(cfg, "zerorun", None))
+    if options.load_dir is None and not options.active:
+        return
+    from zerorun.runtime.checkpoint.autosave import EngineCheckpointing
+
+    timeout = os.environ.get("ZERORUN_PG_TIMEOUT")
+    engine.checkpointing = EngineCheckpointing(engine, options, pg_timeout_s=float(timeout) if timeout else None)
+    engine.checkpointing.resume()
 
 
 def _build_lr_scheduler(
@@ -283,11 +301,11 @@ def _build_loader(training_data: Any, settings: RuntimeSettings, ctx: DistContex
         return None
     if isinstance(training_data, torch.utils.data.DataLoader):
         return training_data
-    from torch.utils.data import DataLoader
-    from torch.utils.data.distributed import DistributedSampler
+    # A DataLoader/DistributedSampler that can continue mid-pass after a resume.
+    from zerorun.runtime.checkpoint.data_position import ResumableLoader, ResumableSampler
 
-    sampler = DistributedSampler(training_data, num_replicas=ctx.world_size, rank=ctx.rank)
-    return DataLoader(
+    sampler = ResumableSampler(training_data, num_replicas=ctx.world_size, rank=ctx.rank)
+    return ResumableLoader(
         training_data,
         batch_size=settings.micro_batch,
         sampler=sampler,

@@ -84,6 +84,12 @@ class Engine:
         self._step_applied = False
         self._backward_since_step = False
         self._compute_dtype = settings.policy.param_dtype
+        # Saves/resume the engine does by itself (runtime/checkpoint/autosave.py; set by
+        # initialize when the config or the launcher asks for them), and what it resumed from.
+        self.checkpointing: Any = None
+        self.resumed_from: str | None = None
+        self.resumed_client_state: dict[str, Any] = {}
+        self.training_dataloader: Any = None  # the loader initialize built from training_data
         events = _events()
         if events is not None and hasattr(events, "set_memory_provider"):
             events.set_memory_provider(self.memory_summary)
@@ -135,11 +141,14 @@ class Engine:
         # reduced; no 1/accumulation scaling then, as in DeepSpeed).
         self.stage.end_backward()
         self._backward_since_step = False
-        if self.is_gradient_accumulation_boundary():
+        boundary = self.is_gradient_accumulation_boundary()
+        if boundary:
             self._take_model_step()
         self.micro_steps += 1
         self.global_samples += self.settings.micro_batch * self.comm.world_size
         self._expect_backward()
+        if boundary and self.checkpointing is not None:
+            self.checkpointing.after_step()  # periodic save; a preemption saves and exits
 
     def _expect_backward(self) -> None:
         # A script may call loss.backward() instead of engine.backward(): the stage's hooks then
@@ -300,6 +309,8 @@ class Engine:
     ) -> bool:
         from zerorun.runtime.checkpoint import engine_view
 
+        if self.checkpointing is not None:
+            self.checkpointing.wait()  # an asynchronous save still writing
         self.stage.state.synchronize()  # a delayed offload step still running
         engine_view.save(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
         return True  # DeepSpeed's return value
@@ -315,6 +326,8 @@ class Engine:
     ) -> tuple[str | None, dict[str, Any] | None]:
         from zerorun.runtime.checkpoint import engine_view
 
+        if self.checkpointing is not None:
+            self.checkpointing.wait()
         self.stage.state.synchronize()
         return engine_view.load(
             self,
@@ -336,6 +349,8 @@ class Engine:
 
     def destroy(self) -> None:
         """Remove the hooks this engine installed (tests build many engines in one process)."""
+        if self.checkpointing is not None:
+            self.checkpointing.close()  # an asynchronous save in flight is committed first
         reducer = getattr(self.stage, "reducer", None)
         if reducer is not None:
             reducer.remove_hooks()

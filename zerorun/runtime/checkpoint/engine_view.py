@@ -29,6 +29,8 @@ __all__ = ["EngineCheckpointView", "save", "load", "save_16bit_model"]
 
 log = logging.getLogger("zerorun.checkpoint")
 
+DATA_POSITION_KEY = "data_position"  # in the metadata's `extra`
+
 
 def _jsonable(value: Any) -> Any:
     if isinstance(value, bool | int | str) or value is None:
@@ -127,7 +129,14 @@ class EngineCheckpointView:
                 "micro_steps": int(e.micro_steps),
                 "skipped_steps": int(e.skipped_steps),
             },
+            extra=self._data_position(),
         )
+
+    def _data_position(self) -> dict[str, Any]:
+        # The engine's own data loader (initialize(training_data=...)): where its pass stands
+        # (checkpoint/data_position.py). A loader the script built is the script's business.
+        position = getattr(getattr(self.engine, "training_dataloader", None), "position", None)
+        return {DATA_POSITION_KEY: position(self.world_size)} if position is not None else {}
 
     def _scalar_state(self) -> list[dict[str, Any]]:
         """Per param group, the optimizer's non-elementwise state (Adam's ``step``), taken from
@@ -210,6 +219,9 @@ class EngineCheckpointView:
         e.global_samples = meta.counters.get("global_samples", 0)
         e.micro_steps = meta.counters.get("micro_steps", 0)
         e.skipped_steps = meta.counters.get("skipped_steps", 0)
+        resume_at = getattr(getattr(e, "training_dataloader", None), "resume_at", None)
+        if resume_at is not None and DATA_POSITION_KEY in meta.extra:
+            resume_at(meta.extra[DATA_POSITION_KEY], self.world_size)
         if state.get("loss_scaler") is not None:
             e.loss_scaler.load_state_dict(state["loss_scaler"])
         if scheduler and e.lr_scheduler is not None and state.get("lr_scheduler") is not None:

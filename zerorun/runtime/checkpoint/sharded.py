@@ -115,8 +115,13 @@ def save_checkpoint(
     tag: str | None = None,
     client_state: dict[str, Any] | None = None,
     save_latest: bool = True,
+    *,
+    rng: dict[str, Any] | None = None,
 ) -> Path:
-    """Collective: every rank calls it. Returns the checkpoint's directory."""
+    """Collective: every rank calls it. Returns the checkpoint's directory.
+
+    `rng`: this rank's RNG states as captured earlier (an asynchronous save's snapshot, written
+    from another thread); default: captured now."""
     comm = _Comm(view)
     meta = view.checkpoint_meta()
     tag = str(tag) if tag is not None else default_tag(meta)
@@ -148,7 +153,9 @@ def save_checkpoint(
     meta.world_size = comm.world_size
     meta.zerorun_version = __version__
     fragments = view.checkpoint_fragments(for_load=False)
-    meta.kinds = sorted({f.kind for f in fragments})  # identical on every rank (same engine)
+    # Identical on every rank (same engine); an async snapshot, which holds only the pieces its
+    # rank writes, brings the full list.
+    meta.kinds = meta.kinds or sorted({f.kind for f in fragments})
     error: str | None = None
     try:
         if not tmp.is_dir():
@@ -160,7 +167,7 @@ def save_checkpoint(
             tmp, comm.rank, comm.world_size, fragments,
             on_half_written=lambda: atomic.maybe_crash(comm.rank, "mid_shard"),
         )
-        _save_pt(tmp / rng_file(comm.rank), capture_rng())
+        _save_pt(tmp / rng_file(comm.rank), capture_rng() if rng is None else rng)
         if comm.rank == 0:
             state = dict(view.checkpoint_state())
             state["client_state"] = dict(client_state or {})

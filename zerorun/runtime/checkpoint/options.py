@@ -1,0 +1,86 @@
+"""What the runtime does about checkpoints by itself: one frozen object, read once.
+
+Built from the config's `zerorun.checkpoint` section (Contract 1) and the launcher's variables
+(Contract 2): ``ZERORUN_RESUME_FROM`` (``zerorun --resume_from PATH``) and
+``ZERORUN_SAVE_ON_PREEMPTION`` (``zerorun --save_on_preemption``). The engine's periodic saves,
+the automatic resume and the preemption handling (`periodic.py`) read only this.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from zerorun.errors import RuntimeConfigError
+
+__all__ = ["CheckpointOptions", "checkpoint_options", "RESUME_ENV", "PREEMPTION_ENV", "PREEMPTED_EXIT_CODE"]
+
+RESUME_ENV = "ZERORUN_RESUME_FROM"
+PREEMPTION_ENV = "ZERORUN_SAVE_ON_PREEMPTION"
+# A rank (and the launcher) that stopped for a preemption after saving exits with this code:
+# EX_TEMPFAIL, "try again later" -- distinct from a failure, from 128+SIGTERM and from 0.
+PREEMPTED_EXIT_CODE = 75
+
+
+@dataclass(frozen=True)
+class CheckpointOptions:
+    dir: str | None = None  # zerorun.checkpoint.dir
+    auto_resume: bool = False
+    every_n_steps: int = 0
+    keep_last: int = 0
+    async_save: bool = False  # zerorun.checkpoint.async
+    resume_from: str | None = None  # the launcher's --resume_from
+    save_on_preemption: bool = False  # the launcher's --save_on_preemption
+
+    @property
+    def save_dir(self) -> str | None:
+        """Where periodic and preemption saves go: `dir`, else the --resume_from directory."""
+        return self.dir or self.resume_from
+
+    @property
+    def load_dir(self) -> str | None:
+        """Where `zerorun.initialize` looks for `latest`: --resume_from, else `dir` with auto_resume."""
+        if self.resume_from:
+            return self.resume_from
+        return self.dir if self.auto_resume else None
+
+    @property
+    def active(self) -> bool:
+        """Whether the engine has anything to do at step boundaries."""
+        return self.every_n_steps > 0 or self.save_on_preemption
+
+
+def _get(obj: Any, name: str, default: Any) -> Any:
+    if obj is None:
+        return default
+    value = obj.get(name, None) if isinstance(obj, Mapping) else getattr(obj, name, None)
+    return default if value is None else value
+
+
+def checkpoint_options(zerorun_section: Any, env: Mapping[str, str] | None = None) -> CheckpointOptions:
+    """`zerorun.checkpoint` (model or dict) + the launcher's variables -> CheckpointOptions."""
+    env = os.environ if env is None else env
+    section = _get(zerorun_section, "checkpoint", None)
+    opts = CheckpointOptions(
+        dir=_get(section, "dir", None),
+        auto_resume=bool(_get(section, "auto_resume", False)),
+        every_n_steps=int(_get(section, "every_n_steps", 0)),
+        keep_last=int(_get(section, "keep_last", 0)),
+        async_save=bool(_get(section, "async", False)),
+        resume_from=env.get(RESUME_ENV) or None,
+        save_on_preemption=env.get(PREEMPTION_ENV) == "1",
+    )
+    if opts.save_dir is None:
+        for what, needed in (
+            ("zerorun.checkpoint.auto_resume", opts.auto_resume),
+            ("zerorun.checkpoint.every_n_steps", opts.every_n_steps > 0),
+            ("zerorun --save_on_preemption", opts.save_on_preemption),
+        ):
+            if needed:
+                raise RuntimeConfigError(
+                    f"{what} needs a checkpoint directory: set zerorun.checkpoint.dir in the config "
+                    "(or launch with --resume_from DIR)"
+                )
+    return opts
