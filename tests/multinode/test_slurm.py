@@ -6,7 +6,6 @@ with nothing left on any node."""
 
 from __future__ import annotations
 
-import os
 import re
 import signal
 import subprocess
@@ -21,7 +20,6 @@ from mn_helpers import SCRIPT, Launch, describe, launcher_env, run_launcher, wai
 
 pytestmark = pytest.mark.multinode
 
-MODE = os.environ.get("ZR_TEST_SLURM_MODE", "zero")  # a dev override: "train" when the runtime is mid-change
 ZERO_CONFIG = (
     "train_micro_batch_size_per_gpu: 16\ngradient_accumulation_steps: 1\n"
     "optimizer: {type: AdamW, params: {lr: 0.02}}\nzero_optimization: {stage: 3}\n"
@@ -54,12 +52,12 @@ def config(slurm: slurm_fabric.Slurm, tmp_path: Path) -> Path:
 
 
 def zsteps(out: str) -> dict[int, str]:
-    return {int(m[1]): m[2] for m in re.finditer(r"\[node\d:(\d)\] +Z?STEP (?:29|39) loss (\S+)", out)}
+    return {int(m[1]): m[2] for m in re.finditer(r"\[node\d:(\d)\] +ZSTEP 29 loss (\S+)", out)}
 
 
 def test_salloc_and_sbatch_train_like_ssh(cluster, slurm, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     cfg = config(slurm, tmp_path)
-    args = ["--device", "cpu", "--pg_timeout", "60", "--config", str(cfg), "--env", f"MN_MODE={MODE}", str(SCRIPT)]
+    args = ["--device", "cpu", "--pg_timeout", "60", "--config", str(cfg), "--env", "MN_MODE=zero", str(SCRIPT)]
     # The same job over SSH: the reference losses.
     code, ssh_out = run_launcher(
         ["--hostfile", str(cluster.dir / "hostfile"), "--exclude", "node3", *args], env=launcher_env(cluster), cwd=tmp_path
