@@ -122,12 +122,12 @@ def meet(
 
 
 def _join_fields(info: NodeInfo, nnodes: int) -> dict[str, Any]:
-    import zerorun
+    from zerorun._version import __version__
 
     return {
         "node_rank": info.node_rank,
         "nnodes": nnodes,
-        "version": zerorun.__version__,
+        "version": __version__,
         "protocol": wire.PROTOCOL_VERSION,
         "hostname": info.hostname,
         "nproc": info.nproc,
@@ -139,7 +139,7 @@ def _join_fields(info: NodeInfo, nnodes: int) -> dict[str, Any]:
 def _host(
     info: NodeInfo, *, nnodes: int, rdzv_port: int, timeout: float, run_id: str, port_check: Callable[[], str | None] | None
 ) -> Session:
-    import zerorun
+    from zerorun._version import __version__
 
     try:
         listener = tcp_link.listen(rdzv_port)
@@ -172,11 +172,11 @@ def _host(
             if msg is None or msg.get("t") != "join":
                 link.close()  # a port scanner, a health check: not one of ours
                 continue
-            problem = _join_problem(msg, nnodes, joined, zerorun.__version__)
+            problem = _join_problem(msg, nnodes, joined, __version__)
             if problem:
                 link.send("refuse", message=problem)
                 link.close()
-                if msg.get("version") != zerorun.__version__ or msg.get("nnodes") != nnodes:
+                if msg.get("version") != __version__ or msg.get("nnodes") != nnodes:
                     # The job cannot go on: tell the others too.
                     for other, _ in joined.values():
                         other.send("refuse", message=problem)

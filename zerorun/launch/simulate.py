@@ -167,7 +167,7 @@ def prepare(
     """Connect to every node (bounded fan-out, retries), run the preflight on every agent, and
     return the plan with the master port the master picked, plus one runner per node. Nothing
     starts before every node passed; failures raise one LaunchError with the failure table."""
-    import zerorun
+    from zerorun._version import __version__
 
     names = {n.node_rank: n.host.name for n in plan.nodes}
     fdlimit.check(len(names), f"links to {len(names)} simulated nodes")
@@ -182,7 +182,7 @@ def prepare(
         if failures:
             raise LaunchError(failure_table(failures, names=names) + "\nNothing was started.")
         for r, link in links.items():
-            link.send("preflight", version=zerorun.__version__, protocol=wire.PROTOCOL_VERSION,
+            link.send("preflight", version=__version__, protocol=wire.PROTOCOL_VERSION,
                       check_port=None, pick_port=r == 0, script=None)
         deadline = time.monotonic() + preflight_timeout_s
         hellos: dict[int, dict[str, Any]] = {}
@@ -193,9 +193,9 @@ def prepare(
             msg = _next_hello(link, deadline)
             if msg is None:
                 bad[r] = Failed(r, "timeout", f"{names[r]}: the node agent did not answer the preflight", 1)
-            elif msg.get("version") != zerorun.__version__ or msg.get("protocol") != wire.PROTOCOL_VERSION:
+            elif msg.get("version") != __version__ or msg.get("protocol") != wire.PROTOCOL_VERSION:
                 bad[r] = Failed(r, "version", f"{names[r]}: zerorun {msg.get('version')} there, "
-                                f"{zerorun.__version__} here", 1)
+                                f"{__version__} here", 1)
             elif msg.get("error"):
                 bad[r] = Failed(r, "preflight", f"{names[r]}: {msg['error']}", 1)
             else:

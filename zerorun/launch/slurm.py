@@ -184,7 +184,7 @@ def prepare(
     srun hands its environment to the agents, whose ranks inherit it (as local ranks inherit the
     launcher's), under each node's `node.env`; `withheld` names (secret-looking variables nobody
     named, `environment.EnvSpec.withheld`) are left out, as over SSH."""
-    import zerorun
+    from zerorun._version import __version__
     from zerorun.launch.remote import check_devices, ssh_options_from
     from zerorun.launch.ssh import join_errors
 
@@ -236,7 +236,7 @@ def prepare(
             is_master = i == 0
             links[name].send(
                 "preflight",
-                version=zerorun.__version__,
+                version=__version__,
                 protocol=wire.PROTOCOL_VERSION,
                 check_port=options.master_port if is_master else None,
                 pick_port=is_master and options.master_port is None,
@@ -258,10 +258,10 @@ def prepare(
             if msg is None:
                 tail = "; ".join(links[name].stderr_tail[-3:] or step.tail[-3:])
                 errors[name] = f"{name}: the node agent did not answer the preflight" + (f" ({tail})" if tail else "")
-            elif msg.get("version") != zerorun.__version__ or msg.get("protocol") != wire.PROTOCOL_VERSION:
+            elif msg.get("version") != __version__ or msg.get("protocol") != wire.PROTOCOL_VERSION:
                 errors[name] = (
                     f"{name}: {python} there imports zerorun {msg.get('version')}, this launcher is zerorun "
-                    f"{zerorun.__version__}. Install the same version on every node."
+                    f"{__version__}. Install the same version on every node."
                 )
             elif msg.get("error"):
                 errors[name] = f"{name}: {msg['error']}"
