@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import sys
 import traceback
 import warnings
@@ -262,6 +263,20 @@ def check_param_outside_optimizer_is_left_alone() -> None:
     train(engine, 2)
     assert torch.equal(before, m[0].weight)
     engine.destroy()
+
+
+def check_launcher_config_needs_no_yaml_or_typer() -> None:
+    """A rank under the launcher reads its config from ZERORUN_CONFIG_JSON (Contract 2): neither
+    the YAML reader nor the CLI framework loads in the rank (zerorun.initialize, a step)."""
+    os.environ["ZERORUN_CONFIG_JSON"] = json.dumps(cfg(optimizer={"type": "SGD", "params": {"lr": 0.1}}))
+    try:
+        engine, *_ = zerorun.initialize(model=model())
+        train(engine, 1)
+        engine.destroy()
+    finally:
+        del os.environ["ZERORUN_CONFIG_JSON"]
+    loaded = [name for name in ("yaml", "typer", "click") if name in sys.modules]
+    assert not loaded, f"a rank loaded {loaded}"
 
 
 def check_memory_provider_registered() -> None:

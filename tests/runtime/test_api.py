@@ -18,6 +18,7 @@ CHECKS = [
     "check_backward_twice_without_step",
     "check_callable_scheduler_and_config_scheduler",
     "check_fp16_auto",
+    "check_launcher_config_needs_no_yaml_or_typer",
     "check_memory_provider_registered",
     "check_model_parameters_groups",
     "check_no_optimizer",
