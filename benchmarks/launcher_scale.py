@@ -214,7 +214,9 @@ def cmd_throughput(args: argparse.Namespace) -> None:
     for nodes in args.nodes:
         sc = Scenario(line_rate=args.rate, event_interval_s=args.event_interval, duration_s=args.seconds,
                       warn_interval_s=30.0)
-        r = run_sim(nodes, args.ranks, sc, parallelism=64)
+        # A long heartbeat timeout: on a machine shared with other work a starved agent host
+        # must not end the measurement (heartbeats are measured by `silent`).
+        r = run_sim(nodes, args.ranks, sc, parallelism=64, heartbeat_timeout_s=args.heartbeat_timeout)
         probe, result = r["probe"], r["result"]
         start = (probe.all_running_at or r["prepared"]) + args.warmup
         end = r["end"] - 1.0
@@ -238,6 +240,7 @@ def cmd_throughput(args: argparse.Namespace) -> None:
             "launcher_peak_rss_mib": round(r["launcher_peak_rss"] / 2**20, 1),
             "launcher_threads": r["launcher_threads"],
             "exit_code": result.exit_code, "ranks_left": r["totals"]["ranks_left"],
+            "heartbeat_timeout_s": args.heartbeat_timeout,
         })
 
 
@@ -344,6 +347,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--seconds", type=float, default=60.0)
     p.add_argument("--warmup", type=float, default=3.0)
     p.add_argument("--event-interval", type=float, default=5.0)
+    p.add_argument("--heartbeat-timeout", type=float, default=60.0)
     p = sub.add_parser("failfast")
     nodes_arg(p, "8,64,256,1000")
     p = sub.add_parser("silent")

@@ -88,6 +88,7 @@ class SyntheticRunner:
         self._ranks: dict[int, _Rank] = {}
         self._sink: Any = None
         self._t0 = 0.0
+        self.next_due = 0.0
 
     def start(self, sink: Any) -> None:
         from zerorun.launch.messages import RankStarted
@@ -142,6 +143,30 @@ class SyntheticRunner:
             if sc.warn_interval_s and r.next_warn <= now:
                 sink(RankOutput(r.rank, "stderr", WARNING_TEXT))
                 r.next_warn = now + sc.warn_interval_s
+        self.next_due = self._due(live, now)
+
+    def _due(self, ranks: list[_Rank], now: float) -> float:
+        """When `tick` next has something to do (the host skips the runner until then)."""
+        sc = self.scenario
+        due = float("inf") if sc.duration_s is None else self._t0 + sc.duration_s
+        for r in ranks:
+            if r.done:
+                continue
+            fail = sc.fail.get(r.rank)
+            if fail is not None:
+                due = min(due, self._t0 + fail[0])
+            hung_at = sc.hang.get(r.rank)
+            if hung_at is not None and now - self._t0 >= hung_at:
+                continue
+            if hung_at is not None:
+                due = min(due, self._t0 + hung_at)
+            if sc.line_rate > 0:
+                due = min(due, r.next_line)
+            if sc.event_interval_s:
+                due = min(due, r.next_event)
+            if sc.warn_interval_s:
+                due = min(due, r.next_warn)
+        return due
 
     def _exit(self, r: _Rank, code: int) -> None:
         from zerorun.launch.messages import RankExit
