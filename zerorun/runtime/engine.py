@@ -236,6 +236,31 @@ class Engine:
         self.module.eval()
         return self
 
+    def compile(
+        self,
+        backend: Any = "inductor",
+        compile_kwargs: dict[str, Any] | None = None,
+        schedule: Any = None,
+        compiled_autograd_enabled: bool = False,
+    ) -> None:
+        """``torch.compile`` the whole model in place (DeepSpeed's ``engine.compile``):
+        ``module.compile(backend=backend, **compile_kwargs)``. zerorun's own work (gradient
+        hooks, stage 3's gather/release hooks) runs eagerly around the compiled code; compiling
+        each block instead (``block.compile()`` before ``initialize``) works too."""
+        if schedule is not None or compiled_autograd_enabled:
+            raise RuntimeConfigError(
+                "engine.compile(): DeepSpeed's compile schedule and compiled autograd are not supported by "
+                "zerorun; call engine.compile(backend=..., compile_kwargs=...) without them"
+            )
+        if self.is_compiled:
+            return
+        self.module.compile(backend=backend, **(compile_kwargs or {}))
+        self._compiled = True
+
+    @property
+    def is_compiled(self) -> bool:
+        return getattr(self, "_compiled", False)
+
     def parameters(self, recurse: bool = True) -> Any:
         return self.module.parameters(recurse)
 

@@ -23,6 +23,16 @@ on every rank.
 
 Inside a backward (``torch._C._current_graph_task_id() != -1``) a forward is a recomputation
 (activation checkpointing): its hooks only make sure the group is gathered.
+
+torch.compile: every hook runs eagerly (``torch._disable_dynamo``, as FSDP2's hooks do with
+``torch._dynamo.config.skip_fsdp_hooks``). A compiled module's ``_call_impl`` (``block.compile()``)
+or a whole compiled model calls them; traced, the parameter rebinding (``p.data = view``) became
+an in-place ``set_`` inside the graph, which bumped the version counter of a parameter autograd
+had saved ("is at version 2; expected version 1") and changed the guarded shapes every call (a
+recompile each time, up to dynamo's limit). Run eagerly, a group's gather writes only its gather
+buffer (``ParamGroup.full``), whose version counter the parameters do not share (``p.data = v``
+keeps the parameter's own counter), so what the compiled graph saved stays valid, and the graph
+sees parameters of one shape, always gathered: one compile per distinct block.
 """
 
 from __future__ import annotations
@@ -45,6 +55,16 @@ __all__ = ["Stage3Hooks"]
 
 def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
+
+
+def _eager(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` always runs eagerly, also when called from a compiled region (a graph break at
+    the module boundary, never inside the module's own graph)."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:  # a function: bound methods take no attributes
+        return fn(*args, **kwargs)
+
+    return torch._disable_dynamo(call, recursive=True)
 
 
 class _PostBackward(torch.autograd.Function):
@@ -112,8 +132,8 @@ class Stage3Hooks:
                 g.module.register_forward_pre_hook(self._pre_forward_hook(g), with_kwargs=True, prepend=True)
             )
             self._handles.append(g.module.register_forward_hook(self._post_forward_hook(g), prepend=False))
-        self._handles.append(root.register_forward_pre_hook(self._root_pre, prepend=True))
-        self._handles.append(root.register_forward_hook(self._root_post))
+        self._handles.append(root.register_forward_pre_hook(_eager(self._root_pre), prepend=True))
+        self._handles.append(root.register_forward_hook(_eager(self._root_post)))
 
     def remove_hooks(self) -> None:
         for h in self._handles:
@@ -135,7 +155,7 @@ class Stage3Hooks:
             # group's own pre-backward hook fires, e.g. a model with only persistent parameters.
             outs = [x for x in tree_flatten(output)[0] if torch.is_tensor(x) and x.requires_grad]
             if outs:
-                register_multi_grad_hook(outs, lambda _grads: self._open_backward(), mode="any")
+                register_multi_grad_hook(outs, _eager(lambda _grads: self._open_backward()), mode="any")
         if not grad:  # no backward follows: nothing stays gathered
             for g in self.groups:
                 g.release()
@@ -169,7 +189,7 @@ class Stage3Hooks:
                 flat[i] = w
             return tree_unflatten(flat, spec)
 
-        return hook
+        return _eager(hook)
 
     def _post_forward_hook(self, g: ParamGroup) -> Any:
         def hook(_module: nn.Module, _args: Any, output: Any) -> None:
@@ -179,7 +199,7 @@ class Stage3Hooks:
             if torch.is_grad_enabled():
                 outs = [x for x in tree_flatten(output)[0] if torch.is_tensor(x) and x.requires_grad]
                 if outs:
-                    register_multi_grad_hook(outs, lambda _grads: self.pre_backward(g), mode="any")
+                    register_multi_grad_hook(outs, _eager(lambda _grads: self.pre_backward(g)), mode="any")
                 if g is self._root_group or not self.reshard_after_forward:
                     return
                 # One rank: re-gathering is a local cast-copy, keeping costs memory at the peak.
@@ -188,7 +208,7 @@ class Stage3Hooks:
             if g is not self._root_group:
                 g.release()
 
-        return hook
+        return _eager(hook)
 
     # -- backward -----------------------------------------------------------------------------------
     def _open_backward(self) -> None:

@@ -361,9 +361,17 @@ class DeepSpeedEngine(nn.Module):
     def destroy(self) -> None:
         self._engine.destroy()
 
-    def compile(self, *args: Any, **kwargs: Any) -> None:
-        unsupported(
-            "engine.compile()",
-            "torch.compile of the engine is not supported by zerorun yet: turn off torch_compile (Trainer) "
-            "or compile submodules of your model before deepspeed.initialize",
-        )
+    def compile(
+        self,
+        backend: Any = "inductor",
+        compile_kwargs: dict[str, Any] | None = None,
+        schedule: Any = None,
+        compiled_autograd_enabled: bool = False,
+    ) -> None:
+        """DeepSpeed's ``engine.compile``: the wrapped model is compiled in place (zerorun's hooks
+        run eagerly around the compiled code)."""
+        self._engine.compile(backend, compile_kwargs, schedule, compiled_autograd_enabled)
+
+    @property
+    def is_compiled(self) -> bool:
+        return self._engine.is_compiled
