@@ -58,5 +58,5 @@ def test_visible_devices_and_rank_filter() -> None:
 def test_options_merge_keeps_the_command_line(tmp_path: Path) -> None:
     opts = LaunchOptions(target=TARGET, num_gpus=2)
     merged = opts.merged({"num_gpus": 8, "master_port": 1234, "hostfile": "hf", "ranks_per_gpu": 2}, base_dir=tmp_path)
-    assert merged.num_gpus == 2 and merged.master_port == 1234 and merged.k == 2
+    assert merged.num_gpus == 2 and merged.master_port == 1234 and merged.effective_ranks_per_gpu == 2
     assert merged.hostfile == str(tmp_path / "hf")

@@ -138,7 +138,7 @@ def plan_job(options: LaunchOptions) -> PlannedJob:
         from zerorun.launch.slurm import allocation_hosts
 
         hosts = select_hosts(
-            allocation_hosts(launcher.slurm, num_gpus=options.num_gpus, k=options.k),
+            allocation_hosts(launcher.slurm, num_gpus=options.num_gpus, k=options.effective_ranks_per_gpu),
             include=options.include,
             exclude=options.exclude,
             num_nodes=options.num_nodes,
@@ -150,7 +150,7 @@ def plan_job(options: LaunchOptions) -> PlannedJob:
             include=options.include,
             exclude=options.exclude,
             num_nodes=options.num_nodes,
-            num_gpus=None if options.num_gpus is None else -(-options.num_gpus // options.k),
+            num_gpus=None if options.num_gpus is None else -(-options.num_gpus // options.effective_ranks_per_gpu),
             source=f"hostfile {options.hostfile}",
         )
     else:

@@ -130,7 +130,8 @@ class LaunchOptions:
         return replace(self, **updates)  # type: ignore[arg-type]
 
     @property
-    def k(self) -> int:
+    def effective_ranks_per_gpu(self) -> int:
+        """K: ranks that share one GPU (`ranks_per_gpu`, 1 when not given)."""
         return self.ranks_per_gpu or 1
 
 
@@ -332,7 +333,7 @@ def build_plan(
 ) -> LaunchPlan:
     """Pure: options + selected hosts (slots already narrowed by include/exclude/num_nodes)
     + this machine's devices -> the plan. Raises LaunchError for impossible requests."""
-    k = options.k
+    k = options.effective_ranks_per_gpu
     if k < 1:
         raise LaunchError(f"--ranks_per_gpu must be at least 1 (got {k}).")
     device = _resolve_device(options, devices, any_local=any(h.is_local for h in hosts))
@@ -391,11 +392,11 @@ def local_slot_count(options: LaunchOptions, devices: DeviceInfo) -> int:
     """How many slots `localhost` offers: its visible GPUs, or (CPU) the ranks asked for."""
     device = _resolve_device(options, devices)
     if device == "cuda":
-        if options.num_gpus is not None and options.num_gpus > len(devices.gpus) * options.k:
-            per = f" x --ranks_per_gpu {options.k}" if options.k > 1 else ""
+        if options.num_gpus is not None and options.num_gpus > len(devices.gpus) * options.effective_ranks_per_gpu:
+            per = f" x --ranks_per_gpu {options.effective_ranks_per_gpu}" if options.effective_ranks_per_gpu > 1 else ""
             raise LaunchError(
                 f"--num_gpus {options.num_gpus} asks for more ranks than this machine has: "
-                f"{len(devices.gpus)} visible GPU(s){per} = {len(devices.gpus) * options.k}"
+                f"{len(devices.gpus)} visible GPU(s){per} = {len(devices.gpus) * options.effective_ranks_per_gpu}"
                 f"{_cvd_note(devices)}. Lower --num_gpus, or use --device cpu for CPU ranks."
             )
         return len(devices.gpus)
