@@ -33,7 +33,7 @@ from .format import (
 )
 from .safetensors_stream import SafetensorsReader, StreamWriter, TensorEntry
 
-__all__ = ["write_rank_shard", "CheckpointReader"]
+__all__ = ["write_rank_shard", "CheckpointReader", "covering"]
 
 _MAX_OPEN = 16
 
@@ -67,6 +67,29 @@ def write_rank_shard(
             off = s - f.start
             w.write(entry.name, f.tensor.reshape(-1)[off : off + (e - s)])
     return records
+
+
+def covering(
+    records: list[FragmentRecord], starts: list[int], start: int, end: int
+) -> tuple[list[tuple[FragmentRecord, int, int]], int]:
+    """The reshard plan for one range (pure): which stored fragments hold elements [start, end)
+    of one tensor, as (record, lo, hi) absolute ranges in order, each element taken once (from
+    the first record that has it). `records` are sorted by start, `starts` their starts.
+    Returns (pieces, covered): covered < end means [covered, end) is stored nowhere."""
+    pieces: list[tuple[FragmentRecord, int, int]] = []
+    covered = start
+    i = max(0, bisect.bisect_right(starts, start) - 1)
+    while covered < end and i < len(records):
+        rec = records[i]
+        i += 1
+        if rec.end <= covered:
+            continue
+        if rec.start > covered:
+            break
+        hi = min(end, rec.end)
+        pieces.append((rec, covered, hi))
+        covered = hi
+    return pieces, covered
 
 
 class CheckpointReader:
@@ -149,23 +172,14 @@ class CheckpointReader:
         # Read straight into `out` when it is plain CPU memory; otherwise stage through host.
         staged = out.device.type != "cpu" or not out.is_contiguous()
         dest = torch.empty(end - start, dtype=out.dtype) if staged else out.view(-1)
-        covered = start
-        i = max(0, bisect.bisect_right(self._starts[key], start) - 1)
-        while covered < end and i < len(recs):
-            rec = recs[i]
-            i += 1
-            if rec.end <= covered:
-                continue
-            if rec.start > covered:
-                break
-            hi = min(end, rec.end)
-            self._reader(rec.file).read(rec.key, covered - rec.start, hi - rec.start, out=dest[covered - start : hi - start])
-            covered = hi
+        pieces, covered = covering(recs, self._starts[key], start, end)
         if covered < end:
             raise CheckpointError(
                 f"{self.dir}: elements [{covered}, {end}) of {kind!r} for {name!r} are in no shard file "
                 "(checkpoint incomplete or corrupt)"
             )
+        for rec, lo, hi in pieces:
+            self._reader(rec.file).read(rec.key, lo - rec.start, hi - rec.start, out=dest[lo - start : hi - start])
         if staged:
             out.copy_(dest.view(out.shape))
 
