@@ -222,8 +222,13 @@ def _as_config(config: Any) -> Any:
     raise TypeError(f"config must be a ZerorunConfig, LoadedConfig or dict, not {type(config).__name__}")
 
 
-def _size(value: Any, default: int) -> int:
-    return default if value == "auto" or value is None else int(value)
+def _zero_size(zero: Any, name: str) -> int:
+    """A ``zero_optimization`` size as the runtime takes it: unset or ``auto`` is the schema's
+    default (written once, in config/zero_section.py)."""
+    from zerorun.config.zero_section import ZeroOptimization
+
+    value = getattr(zero, name) if zero is not None else None
+    return int(ZeroOptimization.model_fields[name].default if value in (None, "auto") else value)
 
 
 def model_state_bytes(
@@ -258,13 +263,14 @@ def model_state_bytes(
     opt_dev: Offload = offload_optimizer or (zero.offload_optimizer.device if zero is not None else "none")
     par_dev: Offload = offload_param or (zero.offload_param.device if zero is not None else "none")
     notes = list(bpe.notes)
-    # Offload has an effect only where the stage partitions the term (DeepSpeed's rule too).
-    if stage == 0 and opt_dev != "none":
-        notes.append("offload_optimizer has no effect at stage 0")
-        opt_dev = "none"
-    if stage < 3 and par_dev != "none":
-        notes.append("offload_param has no effect below stage 3")
-        par_dev = "none"
+    from zerorun.config.rules import offload_in_effect
+
+    # Offload has an effect only where the stage partitions the term (config/rules.py).
+    acting = offload_in_effect(stage, opt_dev, par_dev)
+    for key, asked, acts in zip(("offload_optimizer", "offload_param"), (opt_dev, par_dev), acting, strict=True):
+        if asked != acts:
+            notes.append(f"{key} has no effect at stage {stage}")
+    opt_dev, par_dev = acting
 
     psi, n = float(num_params), world_size
     pieces = _pieces(stage, bpe, opt_dev, par_dev)
@@ -349,9 +355,9 @@ def _buffers(
     """Upper bounds of the buffers the config sizes, capped at the model (a bucket never
     holds more than every element)."""
     psi = num_params
-    reduce = _size(zero.reduce_bucket_size if zero else None, 500_000_000)
-    prefetch = _size(zero.stage3_prefetch_bucket_size if zero else None, 50_000_000)
-    live = _size(zero.stage3_max_live_parameters if zero else None, 1_000_000_000)
+    reduce = _zero_size(zero, "reduce_bucket_size")
+    prefetch = _zero_size(zero, "stage3_prefetch_bucket_size")
+    live = _zero_size(zero, "stage3_max_live_parameters")
     if zero is not None and "auto" in (zero.reduce_bucket_size, zero.stage3_prefetch_bucket_size):
         notes.append("bucket sizes set to \"auto\": DeepSpeed's defaults assumed")
     gpu: dict[str, float] = {}
@@ -390,9 +396,12 @@ def _buffers(
     # to 1024, no larger than this rank's shard). Parameters on NVMe are memory-mapped files:
     # no staging buffers.
     if opt_dev == "nvme":
-        sub_group = _size(zero.sub_group_size if zero else None, 1_000_000_000)
+        sub_group = _zero_size(zero, "sub_group_size")
         tile = min(-(-min(sub_group, 2**30) // 1024) * 1024, -(-psi // n))
-        count = max(2, zero.offload_optimizer.buffer_count if zero else 4)
+        from zerorun.config.zero_section import OffloadOptimizer
+
+        buffers = zero.offload_optimizer.buffer_count if zero else OffloadOptimizer.model_fields["buffer_count"].default
+        count = max(2, buffers)
         cpu["nvme_optimizer_tiles"] = float(count * tile * (bpe.master + bpe.optimizer_states))
     return {"gpu": gpu, "cpu": cpu, "nvme": {}}
 

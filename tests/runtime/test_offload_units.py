@@ -6,20 +6,27 @@ from __future__ import annotations
 import errno
 import os
 import warnings
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 from zerorun.config import load_config
-from zerorun.errors import RuntimeConfigError
+from zerorun.errors import ConfigError
 from zerorun.runtime.offload import adam, nvme
 from zerorun.runtime.offload.host import tiles
 from zerorun.runtime.offload.options import cores_per_rank, options_from_settings
+from zerorun.runtime.settings import RuntimeSettings, settings_from_config
 
 
-def _settings(zero: dict, extra: dict | None = None, clip: float = 1.0, fp16: bool = False) -> SimpleNamespace:
-    return SimpleNamespace(zero=zero, zerorun=extra or {}, stage=zero.get("stage", 0), gradient_clipping=clip, fp16=fp16)
+def _settings(zero: dict, extra: dict | None = None, clip: float = 1.0, fp16: bool = False) -> RuntimeSettings:
+    cfg = {
+        "train_micro_batch_size_per_gpu": 1,
+        "zero_optimization": zero,
+        "zerorun": extra or {},
+        "gradient_clipping": clip,
+        "fp16": {"enabled": fp16},
+    }
+    return settings_from_config(load_config(cfg).config, world_size=1)
 
 
 def test_options_resolve_deepspeed_and_zerorun_keys() -> None:
@@ -43,8 +50,22 @@ def test_options_resolve_deepspeed_and_zerorun_keys() -> None:
 
 
 def test_nvme_without_path_is_a_clear_error() -> None:
-    with pytest.raises(RuntimeConfigError, match="offload_optimizer.nvme_path is not set"):
-        options_from_settings(_settings({"stage": 1, "offload_optimizer": {"device": "nvme"}}))
+    with pytest.raises(ConfigError, match="offload_optimizer.device = 'nvme' needs zero_optimization.offload_optimizer.nvme_path"):
+        _settings({"stage": 1, "offload_optimizer": {"device": "nvme"}})
+
+
+def test_offload_tiles_need_an_element() -> None:
+    with pytest.raises(ConfigError, match="sub_group_size = 0: the optimizer step"):
+        _settings({"stage": 1, "sub_group_size": 0, "offload_optimizer": {"device": "cpu"}})
+    assert _settings({"stage": 1, "sub_group_size": 0}).offload.sub_group_size == 0  # no offload: no tiles
+
+
+def test_offload_below_its_stage_reads_none() -> None:
+    """config/rules.py's rule, applied once when the settings are built (the loader warned)."""
+    s = _settings({"stage": 0, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}})
+    assert (s.offload.optimizer_device, s.offload.param_device, s.offload.enabled) == ("none", "none", False)
+    s = _settings({"stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}})
+    assert (s.offload.optimizer_device, s.offload.param_device, s.offload.enabled) == ("cpu", "cpu", True)
 
 
 def test_cpu_threads_share_the_cores(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -24,8 +24,16 @@ from zerorun.config.runtime_support import (
 )
 from zerorun.config.schema import ZerorunConfig
 from zerorun.config.types import AUTO
+from zerorun.config.zero_section import OffloadDevice, ZeroOptimization
 
-__all__ = ["check_rules", "check_runtime_support", "open_autos", "set_keys"]
+__all__ = [
+    "check_rules",
+    "check_runtime_support",
+    "open_autos",
+    "set_keys",
+    "offload_in_effect",
+    "delayed_update_in_effect",
+]
 
 
 def _extra(model: type[BaseModel], name: str) -> dict[str, Any]:
@@ -114,6 +122,29 @@ def _show(value: Any) -> str:
     return repr(value) if isinstance(value, str) else str(value)
 
 
+def offload_in_effect(
+    stage: int, optimizer_device: OffloadDevice, param_device: OffloadDevice
+) -> tuple[OffloadDevice, OffloadDevice]:
+    """(optimizer, parameter) offload devices as they act at ``stage``: optimizer offload needs
+    stage 1-3, parameter offload stage 3 (the schema's ``stages=`` of ``offload_optimizer`` /
+    ``offload_param``; DeepSpeed's rule too); ``none`` elsewhere. The one statement of the rule:
+    the loader's warnings, the runtime's settings and the estimator all go through it."""
+    opt_stages = _extra(ZeroOptimization, "offload_optimizer").get("stages", ())
+    param_stages = _extra(ZeroOptimization, "offload_param").get("stages", ())
+    return (
+        optimizer_device if stage in opt_stages else "none",
+        param_device if stage in param_stages else "none",
+    )
+
+
+def delayed_update_in_effect(config: ZerorunConfig) -> bool:
+    """``zerorun.delayed_param_update`` acts only with optimizer offload in effect (it delays
+    the CPU step; without one there is nothing to delay)."""
+    zero = config.zero_optimization
+    opt_dev, _ = offload_in_effect(zero.stage, zero.offload_optimizer.device, zero.offload_param.device)
+    return config.zerorun.delayed_param_update and opt_dev != "none"
+
+
 def _stage_warnings(raw: RawConfig, config: ZerorunConfig) -> list[str]:
     zero = config.zero_optimization
     stage = zero.stage
@@ -135,18 +166,19 @@ def _stage_warnings(raw: RawConfig, config: ZerorunConfig) -> list[str]:
         warnings.append(f"{where}: {verb} at {at} only; ignored at stage {stage}")
 
     param_dev = zero.offload_param.device
-    if param_dev != "none" and stage < 3:
+    opt_dev = zero.offload_optimizer.device
+    opt_acts, param_acts = offload_in_effect(stage, opt_dev, param_dev)
+    if param_dev != param_acts:
         warnings.append(
             f"{raw.where(('zero_optimization', 'offload_param', 'device'))} = {param_dev!r}: parameter offload "
             f"needs zero_optimization.stage 3 (you have {stage}); it has no effect here"
         )
-    opt_dev = zero.offload_optimizer.device
-    if opt_dev != "none" and stage == 0:
+    if opt_dev != opt_acts:
         warnings.append(
             f"{raw.where(('zero_optimization', 'offload_optimizer', 'device'))} = {opt_dev!r}: optimizer offload "
             "needs zero_optimization.stage 1, 2 or 3 (you have 0); it has no effect here"
         )
-    if config.zerorun.delayed_param_update and (opt_dev == "none" or stage == 0):
+    if config.zerorun.delayed_param_update and not delayed_update_in_effect(config):
         warnings.append(
             f"{raw.where(('zerorun', 'delayed_param_update'))}: the delayed parameter update overlaps the CPU "
             "optimizer step with the next forward/backward, so it needs zero_optimization.offload_optimizer.device "
@@ -155,14 +187,19 @@ def _stage_warnings(raw: RawConfig, config: ZerorunConfig) -> list[str]:
     return warnings
 
 
-def _nvme_rules(raw: RawConfig, config: ZerorunConfig) -> tuple[list[str], list[str]]:
+def _offload_rules(raw: RawConfig, config: ZerorunConfig) -> tuple[list[str], list[str]]:
     errors: list[str] = []
     warnings: list[str] = []
     zero = config.zero_optimization
-    active = {"offload_optimizer": zero.stage >= 1, "offload_param": zero.stage == 3}
-    for name in ("offload_optimizer", "offload_param"):
+    acting = offload_in_effect(zero.stage, zero.offload_optimizer.device, zero.offload_param.device)
+    if acting[0] != "none" and zero.sub_group_size < 1:
+        errors.append(
+            f"{raw.where(('zero_optimization', 'sub_group_size'))} = {zero.sub_group_size}: the optimizer step "
+            "with offload_optimizer runs in tiles of this many elements; give at least 1"
+        )
+    for name, device in zip(("offload_optimizer", "offload_param"), acting, strict=True):
         section = getattr(zero, name)
-        if section.device != "nvme" or not active[name]:
+        if device != "nvme":
             continue
         path = ("zero_optimization", name)
         if not section.nvme_path:
@@ -308,7 +345,7 @@ def check_rules(raw: RawConfig, config: ZerorunConfig) -> tuple[list[str], list[
     """-> (errors, warnings, notices) of the rules between keys."""
     errors: list[str] = []
     warnings: list[str] = []
-    for rule in (_precision_rules, _nvme_rules, _launcher_rules):
+    for rule in (_precision_rules, _offload_rules, _launcher_rules):
         e, w = rule(raw, config)
         errors += e
         warnings += w

@@ -16,7 +16,7 @@ import os
 import warnings
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -32,13 +32,16 @@ from zerorun.runtime.scheduler import build_scheduler
 from zerorun.runtime.settings import RuntimeSettings, settings_from_config
 from zerorun.runtime.sharded_state import DevicePlacement, ShardPlacement
 
+if TYPE_CHECKING:
+    from zerorun.config.schema import ZerorunConfig
+
 __all__ = ["initialize", "load_runtime_config", "build_stage", "choose_placement"]
 
 
-def load_runtime_config(config: Any, world_size: int) -> Any:
+def load_runtime_config(config: Any, world_size: int) -> ZerorunConfig:
     """A path, a dict, an already-loaded config, or None (the launcher's config from the
-    environment, Contract 2) -> the validated config model (Contract 1)."""
-    from zerorun.config import load_config
+    environment, Contract 2) -> the validated config model (Contract 1), its rules applied."""
+    from zerorun.config import LoadedConfig, ZerorunConfig, load_config
 
     if config is None:
         text = os.environ.get("ZERORUN_CONFIG_JSON")
@@ -56,15 +59,19 @@ def load_runtime_config(config: Any, world_size: int) -> Any:
             )
     if isinstance(config, (str, Path, dict)):
         return load_config(config, world_size=world_size).config
-    return getattr(config, "config", config)  # a LoadedConfig or a config model
+    if isinstance(config, LoadedConfig):
+        return config.config
+    if isinstance(config, ZerorunConfig):
+        # A model built in Python has not been through config/rules.py: load its values.
+        return load_config(config.to_dict(only_set=True), world_size=world_size).config
+    raise RuntimeConfigError(
+        f"config must be a path, a dict or a zerorun config (zerorun.config.load_config), not {type(config).__name__}"
+    )
 
 
 def choose_placement(settings: RuntimeSettings, device: torch.device) -> ShardPlacement:
     """Where master shards and optimizer states live. Offload is offload.py's business."""
-    if settings.offload_optimizer_device in ("none", None) and settings.offload_param_device in (
-        "none",
-        None,
-    ):
+    if not settings.offload.enabled:
         return DevicePlacement(device)
     try:
         from zerorun.runtime import offload
@@ -96,10 +103,10 @@ def build_stage(
         return build_flat_stage(
             settings.stage,
             trainable,
-            policy=settings.policy,
+            policy=settings.precision.policy,
             comm=comm,
             device=device,
-            bucket_numel=settings.reduce_bucket_size,
+            bucket_numel=settings.buckets.reduce_bucket_size,
             placement=placement,
         )
     if settings.stage == 3:
@@ -186,7 +193,7 @@ def initialize(
     user_opt: Optimizer | None = None
     if isinstance(optimizer, Optimizer):
         user_opt = optimizer
-        if settings.optimizer_type is not None and ctx.rank == 0:
+        if settings.optimizer.type is not None and ctx.rank == 0:
             warnings.warn(
                 "zerorun.initialize got an optimizer and the config has an `optimizer` section: "
                 "the script's optimizer is used (as DeepSpeed does)",
@@ -215,12 +222,12 @@ def initialize(
         )
     placement = choose_placement(settings, ctx.device)
     stage = build_stage(settings, model, trainable, comm, ctx.device, placement)
-    _move_rest(model, {id(t.param) for t in trainable}, ctx.device, settings.policy.param_dtype)
+    _move_rest(model, {id(t.param) for t in trainable}, ctx.device, settings.precision.policy.param_dtype)
 
     state = stage.state
     if user_opt is not None:
         torch_opt = opt_lib.rebind_user_optimizer(
-            user_opt, state.param_groups(hypers), settings.allow_untested_optimizer
+            user_opt, state.param_groups(hypers), settings.optimizer.allow_untested
         )
     elif optimizer is not None:  # a callable, DeepSpeed's client-optimizer factory
         torch_opt = optimizer(state.param_groups(hypers))
@@ -228,12 +235,12 @@ def initialize(
             raise RuntimeConfigError(
                 "the optimizer callable passed to zerorun.initialize did not return an Optimizer"
             )
-        opt_lib.check_elementwise(type(torch_opt), settings.allow_untested_optimizer)
-    elif settings.optimizer_type is not None:
+        opt_lib.check_elementwise(type(torch_opt), settings.optimizer.allow_untested)
+    elif settings.optimizer.type is not None:
         # (A script's own optimizer, above, wins over the config's, `auto` values included.)
         torch_opt = opt_lib.build_from_config(
-            settings.optimizer_type,
-            dict(settings.optimizer_params),
+            settings.optimizer.type,
+            dict(settings.optimizer.params),
             state.param_groups(hypers),
             placement.optimizer_device,
         )
@@ -253,7 +260,7 @@ def initialize(
         comm=comm,
         optimizer=torch_opt,
         lr_scheduler=scheduler,
-        scaler=settings.make_scaler(),
+        scaler=settings.precision.make_scaler(),
         device=ctx.device,
     )
     engine.training_dataloader = loader
@@ -291,8 +298,8 @@ def _build_lr_scheduler(
         if callable(lr_scheduler):
             return lr_scheduler(torch_opt)
         raise RuntimeConfigError("lr_scheduler must be a scheduler instance or a callable(optimizer)")
-    if settings.scheduler_type is not None:
-        return build_scheduler(settings.scheduler_type, settings.scheduler_params, torch_opt)
+    if settings.scheduler.type is not None:
+        return build_scheduler(settings.scheduler.type, settings.scheduler.params, torch_opt)
     return None
 
 
@@ -307,8 +314,8 @@ def _build_loader(training_data: Any, settings: RuntimeSettings, ctx: DistContex
     sampler = ResumableSampler(training_data, num_replicas=ctx.world_size, rank=ctx.rank)
     return ResumableLoader(
         training_data,
-        batch_size=settings.micro_batch,
+        batch_size=settings.batch.micro_batch,
         sampler=sampler,
         collate_fn=collate_fn,
-        drop_last=settings.dataloader_drop_last,
+        drop_last=settings.batch.dataloader_drop_last,
     )

@@ -73,7 +73,7 @@ class Engine:
         self.lr_scheduler = lr_scheduler
         self.loss_scaler = scaler
         self.device = device
-        self._accum = settings.grad_accum
+        self._accum = settings.batch.grad_accum
         self.micro_steps = 0
         self.global_steps = 0
         self.global_samples = 0
@@ -83,7 +83,7 @@ class Engine:
         self._last_status = time.monotonic()
         self._step_applied = False
         self._backward_since_step = False
-        self._compute_dtype = settings.policy.param_dtype
+        self._compute_dtype = settings.precision.policy.param_dtype
         # Saves/resume the engine does by itself (runtime/checkpoint/autosave.py; set by
         # initialize when the config or the launcher asks for them), and what it resumed from.
         self.checkpointing: Any = None
@@ -145,7 +145,7 @@ class Engine:
         if boundary:
             self._take_model_step()
         self.micro_steps += 1
-        self.global_samples += self.settings.micro_batch * self.comm.world_size
+        self.global_samples += self.settings.batch.micro_batch * self.comm.world_size
         self._expect_backward()
         if boundary and self.checkpointing is not None:
             self.checkpointing.after_step()  # periodic save; a preemption saves and exits
@@ -165,7 +165,7 @@ class Engine:
         norm = self._global_norm(grads) / scale  # true (unscaled) norm, on device
         self._grad_norm = norm
         overflow = False
-        if self.settings.fp16:
+        if self.settings.precision.fp16:
             # Host sync: deciding to skip the step needs the value (fp16 only).
             overflow = not bool(torch.isfinite(norm).item())
         self._step_applied = not overflow
@@ -196,7 +196,7 @@ class Engine:
         return sumsq.sqrt()
 
     def _unscale_and_clip(self, grads: list[torch.Tensor], norm: torch.Tensor, scale: float) -> None:
-        clip = self.settings.gradient_clipping
+        clip = self.settings.optimizer.gradient_clipping
         if clip > 0:
             # torch.nn.utils.clip_grad_norm_'s formula, kept on the device (no host sync).
             coef = torch.clamp(clip / (norm + 1e-6), max=1.0)
@@ -210,7 +210,7 @@ class Engine:
         """A status event for the launcher's live table: every ``steps_per_print`` steps and at
         most once a second otherwise. Reading the loss is a host sync, so never more often."""
         now = time.monotonic()
-        if self.global_steps % self.settings.steps_per_print != 0 and now - self._last_status < 1.0:
+        if self.global_steps % self.settings.logging.steps_per_print != 0 and now - self._last_status < 1.0:
             return
         events = _events()
         if events is None or not hasattr(events, "emit") or not events.connected():
@@ -269,13 +269,13 @@ class Engine:
 
     # DeepSpeed exposes the batch arithmetic as methods; so does zerorun.
     def gradient_accumulation_steps(self) -> int:
-        return self.settings.grad_accum
+        return self.settings.batch.grad_accum
 
     def train_micro_batch_size_per_gpu(self) -> int:
-        return self.settings.micro_batch
+        return self.settings.batch.micro_batch
 
     def train_batch_size(self) -> int:
-        return self.settings.train_batch
+        return self.settings.batch.train_batch
 
     def zero_optimization_stage(self) -> int:
         return self.settings.stage

@@ -103,11 +103,12 @@ def test_save_16bit_model_at_stage3_needs_the_gather_flag(tmp_path, caplog):
     the call says why and returns False (decided before any collective or engine access)."""
     from types import SimpleNamespace
 
+    from zerorun.config import load_config
     from zerorun.runtime.checkpoint.engine_view import save_16bit_model
+    from zerorun.runtime.settings import settings_from_config
 
-    engine = SimpleNamespace(
-        settings=SimpleNamespace(stage=3, zero=SimpleNamespace(stage3_gather_16bit_weights_on_model_save=False))
-    )
+    cfg = load_config({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}).config
+    engine = SimpleNamespace(settings=settings_from_config(cfg, world_size=1))
     with caplog.at_level(logging.WARNING, logger="zerorun.checkpoint"):
         assert save_16bit_model(engine, tmp_path, "pytorch_model.bin") is False
     assert "stage3_gather_16bit_weights_on_model_save: true" in caplog.text

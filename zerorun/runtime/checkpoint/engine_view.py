@@ -97,7 +97,7 @@ class EngineCheckpointView:
         e = self.engine
         params, tied = self._named_params()
         trained = self._trained_shapes()
-        policy = e.settings.policy
+        policy = e.settings.precision.policy
         infos = [
             ParamInfo(
                 n,
@@ -109,7 +109,7 @@ class EngineCheckpointView:
             if not (self.exclude_frozen and n not in trained)
         ]
         buffers = [ParamInfo(n, tuple(b.shape), dtype_name(b.dtype), False) for n, b in _persistent_buffers(e.module)]
-        precision = "fp16" if e.settings.fp16 else ("bf16" if policy.param_dtype == torch.bfloat16 else "fp32")
+        precision = "fp16" if e.settings.precision.fp16 else ("bf16" if policy.param_dtype == torch.bfloat16 else "fp32")
         opt = e.optimizer
         return CheckpointMeta(
             world_size=self.world_size,
@@ -283,7 +283,7 @@ def save_16bit_model(
 ) -> bool:
     """DeepSpeed's semantics: at stage 3 only with stage3_gather_16bit_weights_on_model_save."""
     settings = engine.settings
-    if settings.stage == 3 and not getattr(settings.zero, "stage3_gather_16bit_weights_on_model_save", False):
+    if settings.stage == 3 and not settings.checkpoint.gather_16bit_weights_on_model_save:
         log.warning(
             "zerorun: save_16bit_model did not save the model: at ZeRO stage 3 it needs "
             "zero_optimization.stage3_gather_16bit_weights_on_model_save: true (or use "
@@ -291,5 +291,5 @@ def save_16bit_model(
         )
         return False
     view = EngineCheckpointView(engine, exclude_frozen=exclude_frozen_parameters)
-    save_full_model(view, save_dir, save_filename, dtype=settings.policy.param_dtype)
+    save_full_model(view, save_dir, save_filename, dtype=settings.precision.policy.param_dtype)
     return True

@@ -19,17 +19,16 @@ at-rest parameter shards on the host. See docs/offload.md.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from zerorun.runtime.offload.options import OffloadOptions, options_from_settings
+from zerorun.runtime.settings import RuntimeSettings
 from zerorun.runtime.sharded_state import DevicePlacement, ShardPlacement
 
 __all__ = ["placement_for", "OffloadOptions"]
 
 
-def placement_for(settings: Any, device: torch.device) -> ShardPlacement:
+def placement_for(settings: RuntimeSettings, device: torch.device) -> ShardPlacement:
     opts = options_from_settings(settings)
     placement: ShardPlacement
     if opts.optimizer_device == "nvme":

@@ -1,17 +1,14 @@
-"""What offload was asked for, resolved once from ``RuntimeSettings`` into one frozen object.
-
-The DeepSpeed keys (``zero_optimization.offload_optimizer`` / ``offload_param`` / ``sub_group_size``)
-and zerorun's own (``zerorun.delayed_param_update``, ``delayed_param_update_warmup``,
-``offload_cpu_threads``) are read here and nowhere else.
+"""What offload was asked for: ``RuntimeSettings.offload`` (the config keys, read once in
+``runtime/settings.py``) plus what offload derives from the rest of the settings, in one frozen
+object, and the thread sizing of the CPU step.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, fields
 
-from zerorun.errors import RuntimeConfigError
+from zerorun.runtime.settings import OffloadSettings, RuntimeSettings
 
 __all__ = ["OffloadOptions", "options_from_settings", "cores_per_rank", "PIPELINE_TILE"]
 
@@ -21,32 +18,14 @@ __all__ = ["OffloadOptions", "options_from_settings", "cores_per_rank", "PIPELIN
 PIPELINE_TILE = 1 << 24
 
 
-def _get(obj: Any, dotted: str, default: Any = None) -> Any:
-    for part in dotted.split("."):
-        if obj is None:
-            return default
-        obj = obj.get(part, None) if isinstance(obj, dict) else getattr(obj, part, None)
-    return default if obj is None else obj
-
-
 @dataclass(frozen=True)
-class OffloadOptions:
-    optimizer_device: str = "none"  # none | cpu | nvme
-    param_device: str = "none"  # none | cpu | nvme (stage 3)
-    pin_memory: bool = False  # offload_optimizer.pin_memory
-    param_pin_memory: bool = False  # offload_param.pin_memory
-    nvme_path: str | None = None  # offload_optimizer.nvme_path
-    param_nvme_path: str | None = None
-    buffer_count: int = 4  # offload_optimizer.buffer_count: NVMe tile buffers (read-ahead depth + 1)
-    param_buffer_count: int = 5
-    sub_group_size: int = 1_000_000_000  # NVMe tile (elements); the CPU pipeline uses min(this, PIPELINE_TILE)
-    delayed_update: bool = False
-    delayed_warmup: int = 0
-    cpu_threads: int = 0  # 0: automatic (cores_per_rank)
-    stage: int = 0
+class OffloadOptions(OffloadSettings):
+    """The offload settings plus what offload derives from the rest of the settings."""
+
+    stage: int
     # The step needs no global norm (no clipping, no fp16 overflow check): a flat buffer's CPU
     # step may start during backward, as soon as its reduced gradient is final.
-    early_start: bool = False
+    early_start: bool
 
     @property
     def cpu_tile(self) -> int:
@@ -75,43 +54,11 @@ def cores_per_rank() -> int:
     return max(1, cores // max(local, 1))
 
 
-def options_from_settings(settings: Any) -> OffloadOptions:
-    zero = settings.zero
-    extra = getattr(settings, "zerorun", None)
-    opt_dev = str(_get(zero, "offload_optimizer.device", "none") or "none")
-    param_dev = str(_get(zero, "offload_param.device", "none") or "none")
-    stage = int(settings.stage)
-    if stage == 0 and opt_dev != "none":
-        opt_dev = "none"  # the config loader already warned: no effect at stage 0
-    if stage < 3 and param_dev != "none":
-        param_dev = "none"  # ditto: parameter offload is a stage-3 feature
-    for key, dev in (("offload_optimizer", opt_dev), ("offload_param", param_dev)):
-        if dev not in ("none", "cpu", "nvme"):
-            raise RuntimeConfigError(f"zero_optimization.{key}.device {dev!r}: use none, cpu or nvme")
-        if dev == "nvme" and not _get(zero, f"{key}.nvme_path"):
-            raise RuntimeConfigError(
-                f"zero_optimization.{key}.device is nvme but {key}.nvme_path is not set: "
-                "give a directory on a fast local disk of every node"
-            )
-    # Without optimizer offload there is no CPU step to delay (the config loader warned).
-    delayed = bool(_get(extra, "delayed_param_update", False)) and opt_dev != "none"
-    sub_group = int(_get(zero, "sub_group_size", 1_000_000_000))
-    if sub_group < 1:
-        raise RuntimeConfigError("zero_optimization.sub_group_size must be at least 1 element")
+def options_from_settings(settings: RuntimeSettings) -> OffloadOptions:
+    """The devices already read ``none`` where the stage ignores them, and ``nvme_path`` is set
+    for an ``nvme`` device: ``config/rules.py`` decided both when the config was loaded."""
     return OffloadOptions(
-        optimizer_device=opt_dev,
-        param_device=param_dev,
-        pin_memory=bool(_get(zero, "offload_optimizer.pin_memory", False)),
-        param_pin_memory=bool(_get(zero, "offload_param.pin_memory", False)),
-        nvme_path=_get(zero, "offload_optimizer.nvme_path"),
-        param_nvme_path=_get(zero, "offload_param.nvme_path"),
-        buffer_count=int(_get(zero, "offload_optimizer.buffer_count", 4)),
-        param_buffer_count=int(_get(zero, "offload_param.buffer_count", 5)),
-        sub_group_size=sub_group,
-        delayed_update=delayed,
-        delayed_warmup=int(_get(extra, "delayed_param_update_warmup", 0)),
-        cpu_threads=int(_get(extra, "offload_cpu_threads", 0)),
-        stage=stage,
-        early_start=not float(getattr(settings, "gradient_clipping", 0.0) or 0.0) > 0
-        and not bool(getattr(settings, "fp16", False)),
+        **{f.name: getattr(settings.offload, f.name) for f in fields(OffloadSettings)},
+        stage=settings.stage,
+        early_start=not settings.optimizer.gradient_clipping > 0 and not settings.precision.fp16,
     )

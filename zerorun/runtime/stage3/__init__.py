@@ -15,7 +15,7 @@ docs/stage3.md describes the design and its costs.
 
 from __future__ import annotations
 
-from zerorun.runtime.stage3.build import Stage3Options, build_stage3
+from zerorun.runtime.stage3.build import build_stage3
 from zerorun.runtime.stage3.store import DeviceParamStore, ParamShardStore
 
-__all__ = ["build_stage3", "Stage3Options", "ParamShardStore", "DeviceParamStore"]
+__all__ = ["build_stage3", "ParamShardStore", "DeviceParamStore"]

@@ -10,7 +10,6 @@ start exactly at the user's initialization, not at its 16-bit rounding.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import torch
 from torch import nn
@@ -19,6 +18,7 @@ from zerorun.runtime.collectives import Communicator
 from zerorun.runtime.flat_params import TrainableParam
 from zerorun.runtime.partition import FlatLayout, ParamSpec, plan_flat_buffers
 from zerorun.runtime.precision import dtype_name
+from zerorun.runtime.settings import RuntimeSettings
 from zerorun.runtime.sharded_state import DevicePlacement, ShardedOptimizerState, ShardPlacement
 from zerorun.runtime.stage3.groups import plan_groups
 from zerorun.runtime.stage3.hooks import Stage3Hooks
@@ -28,47 +28,9 @@ from zerorun.runtime.stage3.schedule import Schedule
 from zerorun.runtime.stage3.stage import Stage3
 from zerorun.runtime.stage3.store import DeviceParamStore, ParamShardStore
 
-__all__ = ["build_stage3", "Stage3Options", "full_values"]
+__all__ = ["build_stage3", "full_values"]
 
 _ONE_BUFFER = 1 << 62  # a group is one flat buffer per optimizer param group, whatever its size
-
-
-@dataclasses.dataclass(frozen=True)
-class Stage3Options:
-    persistence_threshold: int = 100_000
-    prefetch_numel: int = 50_000_000
-    max_live_numel: int = 1_000_000_000
-    max_reuse_distance: int = 1_000_000_000
-    group_modules: tuple[str, ...] | None = None
-    group_min_numel: int = 0
-    reshard_after_forward: bool = True
-    check_order: bool = False
-
-    @classmethod
-    def from_settings(cls, settings: Any) -> Stage3Options:
-        def num(section: Any, key: str, default: int) -> int:
-            value = getattr(section, key, None) if section is not None else None
-            if isinstance(section, dict):
-                value = section.get(key)
-            return default if value is None or value == "auto" else int(value)
-
-        zero, zr = settings.zero, settings.zerorun
-
-        def opt(key: str, default: Any) -> Any:
-            value = zr.get(key) if isinstance(zr, dict) else getattr(zr, key, None)
-            return default if value is None else value
-
-        modules = opt("stage3_group_modules", None)
-        return cls(
-            persistence_threshold=num(zero, "stage3_param_persistence_threshold", 100_000),
-            prefetch_numel=num(zero, "stage3_prefetch_bucket_size", 50_000_000),
-            max_live_numel=num(zero, "stage3_max_live_parameters", 1_000_000_000),
-            max_reuse_distance=num(zero, "stage3_max_reuse_distance", 1_000_000_000),
-            group_modules=tuple(modules) if modules else None,
-            group_min_numel=int(opt("stage3_group_min_numel", 0)),
-            reshard_after_forward=bool(opt("stage3_reshard_after_forward", True)),
-            check_order=bool(opt("stage3_check_order", False)),
-        )
 
 
 def full_values(p: nn.Parameter) -> torch.Tensor:
@@ -118,7 +80,7 @@ def _materialize_untrained(module: nn.Module, trained: set[int]) -> None:
 
 
 def build_stage3(
-    settings: Any,
+    settings: RuntimeSettings,
     module: nn.Module,
     trainable: list[TrainableParam],
     *,
@@ -126,8 +88,8 @@ def build_stage3(
     device: torch.device,
     placement: ShardPlacement,
 ) -> Stage3:
-    opts = Stage3Options.from_settings(settings)
-    policy = settings.policy
+    opts = settings.stage3
+    policy = settings.precision.policy
     store: ParamShardStore = getattr(placement, "param_store", None) or DeviceParamStore(device)
     # Masters and shards both on the device: the fp32 master shard is the at-rest parameter
     # (the master of an fp32 shard is the shard itself, DevicePlacement.make_master).
