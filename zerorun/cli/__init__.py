@@ -7,7 +7,7 @@ This package is the only place that parses arguments and the only place that tur
 Dispatch: click cannot mix "a group of subcommands" with "a command whose first positional
 argument is an arbitrary script path", so `main` looks at the first argument. A known
 subcommand name goes to that subcommand's typer app; anything else is the launch command.
-Each subcommand lives in its own module, imported only when used.
+Each subcommand lives in its own module, imported only when used (the table: cli/commands.py).
 """
 
 from __future__ import annotations
@@ -16,22 +16,14 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-__all__ = ["main", "SUBCOMMANDS"]
+from zerorun.cli.commands import ALIASES, SUBCOMMANDS
 
-# name -> (module, one-line help). Modules expose `app: typer.Typer` (a single command).
-SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "print-config": ("zerorun.cli.config_cmds", "Validate a config and print the resolved settings."),
-    "estimate": ("zerorun.cli.estimate_cmd", "Estimate per-GPU / per-host memory of model states."),
-    "env": ("zerorun.cli.env_cmd", "Report versions, GPUs and environment for bug reports."),
-    "consolidate": ("zerorun.cli.consolidate_cmd", "Build a full state dict from a sharded checkpoint."),
-}
-# DeepSpeed users type underscores.
-_ALIASES = {"print_config": "print-config"}
+__all__ = ["main", "SUBCOMMANDS"]
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
-    first = _ALIASES.get(args[0], args[0]) if args else None
+    first = ALIASES.get(args[0], args[0]) if args else None
     if first in SUBCOMMANDS:
         module = importlib.import_module(SUBCOMMANDS[first][0])
         module.app(args=args[1:], prog_name=f"zerorun {first}")

@@ -27,7 +27,7 @@ _SUBCOMMANDS_EPILOG_MARK = "Subcommands"
 
 
 def _epilog() -> str:
-    from zerorun.cli import SUBCOMMANDS
+    from zerorun.cli.commands import SUBCOMMANDS
 
     rows = "\n\n".join(f"zerorun {name}: {text}" for name, (_, text) in SUBCOMMANDS.items())
     return (
