@@ -111,7 +111,7 @@ def launch(
     launcher: Optional[str] = typer.Option(  # noqa: UP045
         None,
         "--launcher",
-        metavar="[auto|local|ssh|slurm|pernode]",
+        metavar="[auto|local|ssh|slurm|mpi|pernode]",
         help="How nodes are started (default auto: a Slurm step or --nnodes -> pernode, a Slurm allocation -> slurm, "
         "a hostfile -> ssh, else local; see docs/clusters.md).",
     ),
@@ -129,6 +129,9 @@ def launch(
     ),
     slurm_args: Optional[str] = typer.Option(  # noqa: UP045
         None, "--slurm-args", metavar="ARGS", help="Extra srun options for --launcher slurm, e.g. '--partition gpu --time 1:00:00'."
+    ),
+    mpi_args: Optional[str] = typer.Option(  # noqa: UP045
+        None, "--mpi-args", metavar="ARGS", help="Extra mpirun options for --launcher mpi, e.g. '--mca btl_tcp_if_include eth0'."
     ),
     version: bool = typer.Option(False, "--version", is_eager=True, callback=_version, help="Show the version."),
 ) -> None:
@@ -180,6 +183,7 @@ def launch(
         rdzv_port=rdzv_port,
         rdzv_timeout=rdzv_timeout,
         slurm_args=slurm_args,
+        mpi_args=mpi_args,
     )
     code = _run(options)
     raise typer.Exit(code)

@@ -41,10 +41,11 @@ class LauncherSection(Section):
         description="Per-host environment variables, e.g. `{worker-2: {GLOO_SOCKET_IFNAME: eth1}}`.",
     )
     log_dir: str | None = field(None, "Directory for per-rank log files (none when unset).")
-    launcher: Literal["auto", "local", "ssh", "slurm", "pernode"] | None = field(
+    launcher: Literal["auto", "local", "ssh", "slurm", "mpi", "pernode"] | None = field(
         None,
         "How nodes are started: `auto` (default: the scheduler or hostfile decides, see docs/clusters.md), "
-        "`local`, `ssh`, `slurm` or `pernode` (one zerorun per node: Kubernetes, srun per node).",
+        "`local`, `ssh`, `slurm`, `mpi` (mpirun starts the hostfile's nodes) or `pernode` (one zerorun per "
+        "node: Kubernetes, srun per node).",
     )
     rdzv_timeout: Real | None = field(
         None, "Per-node mode: seconds node 0 waits for every node to join (default 300).", gt=0

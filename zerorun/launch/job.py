@@ -225,6 +225,10 @@ def _prepare_nodes(job: PlannedJob) -> tuple[LaunchPlan, list[NodeRunner]]:
 
         assert job.launcher is not None
         return slurm.prepare(job.plan, job.options, job.launcher.slurm, withheld=job.withheld)
+    if job.launcher_name == "mpi":
+        from zerorun.launch import mpi
+
+        return mpi.prepare(job.plan, job.options, withheld=job.withheld)
     if job.multinode:
         from zerorun.launch import remote
 
