@@ -26,6 +26,7 @@ ALLOC = {"SLURM_JOB_ID": "41", "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_JOB_NUM_NO
         (None, None, None, {"PET_NNODES": "4", "WORLD_SIZE": "32"}, "pernode", "PET_NNODES=4"),
         ("ssh", "hosts", None, ALLOC, "ssh", "--launcher ssh"),
         ("SSH", "hosts", None, {}, "ssh", "--launcher ssh"),
+        ("MPI", "hosts", None, {}, "mpi", "--launcher mpi"),
         ("slurm", None, None, ALLOC, "slurm", "--launcher slurm"),
         ("pernode", None, None, {}, "pernode", "--launcher pernode"),
     ],
@@ -40,7 +41,8 @@ def test_choose(requested, hostfile, nnodes, environ, launcher, why) -> None:
 @pytest.mark.parametrize(
     ("requested", "hostfile", "environ", "message"),
     [
-        ("pdsh", None, {}, "not one of auto, local, ssh, slurm, pernode"),
+        ("pdsh", None, {}, "not one of auto, local, ssh, slurm, mpi, pernode"),
+        ("mpi", None, {}, "needs --hostfile"),
         ("slurm", None, {}, "SLURM_JOB_ID is not set"),
         ("ssh", None, {}, "needs --hostfile"),
         ("local", "hosts", {}, "this machine only"),

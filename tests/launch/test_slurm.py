@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from zerorun.errors import LaunchError
-from zerorun.launch.slurm import allocation_hosts, local_addresses, srun_command
+from zerorun.launch.dialin import local_addresses
+from zerorun.launch.slurm import allocation_hosts, srun_command
 from zerorun.launch.slurm_env import read_slurm_env
 
 
@@ -45,3 +46,16 @@ def test_allocation_hosts() -> None:
 def test_local_addresses() -> None:
     addrs = local_addresses()
     assert "127.0.0.1" in addrs and addrs[-1].startswith("127.")
+
+
+def test_mpirun_command() -> None:
+    from zerorun.launch.mpi import mpirun_command
+
+    argv = mpirun_command(["node1", "node2"], python="/py", cwd="/w", mpi_args="--mca btl self,tcp", as_root=True,
+                          forward=["PYTHONPATH"])
+    assert argv[:10] == ["mpirun", "-np", "2", "--map-by", "ppr:1:node", "-H", "node1:1,node2:1", "--bind-to", "none", "-wdir"]
+    assert "--allow-run-as-root" in argv
+    assert " ".join(argv).count("-x ") == 3 and "ZERORUN_AGENT_TOKEN" in argv  # the name, never the value
+    assert argv[-8:] == ["--mca", "btl", "self,tcp", "/py", "-u", "-m", "zerorun.launch.agent", "--dial"]
+    with pytest.raises(LaunchError, match="--mpi_args"):
+        mpirun_command(["n"], python="p", cwd="/", mpi_args="'")

@@ -1,11 +1,13 @@
 """`--launcher slurm` on a real Slurm cluster (slurmctld + a slurmd per fake host, see
-slurm_fabric.py): the agents start with one srun and dial back to the launcher. Checks: a
-4-rank ZeRO-3 job from `salloc -N2` and from an sbatch script, with the losses of the same job
-over SSH; scancel, SIGTERM to zerorun and a failing rank on node 2 stop everything within 10 s
+slurm_fabric.py) and `--launcher mpi` with a real Open MPI: the agents start with one srun /
+mpirun and dial back to the launcher. Checks: a 4-rank ZeRO-3 job from `salloc -N2`, from an
+sbatch script and through mpirun, each with the losses of the same job over SSH; scancel,
+SIGTERM to zerorun, a killed mpirun and a failing rank on node 2 stop everything within 10 s
 with nothing left on any node."""
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import subprocess
@@ -40,13 +42,13 @@ def slurm(cluster) -> Iterator[slurm_fabric.Slurm]:  # type: ignore[no-untyped-d
             n.baseline = {p for p in n.baseline if p in n.pids()}
 
 
-def config(slurm: slurm_fabric.Slurm, tmp_path: Path) -> Path:
+def config(nodes, tmp_path: Path) -> Path:  # type: ignore[no-untyped-def]
     """Stage 3, and each node's gloo interface (the namespaces' interface names differ)."""
     path = tmp_path / "zero3.yaml"
     path.write_text(
         ZERO_CONFIG
         + "launcher:\n  host_env:\n"
-        + "".join(f"    {n.alias}: {{GLOO_SOCKET_IFNAME: {n.ifname}}}\n" for n in slurm.nodes)
+        + "".join(f"    {n.alias}: {{GLOO_SOCKET_IFNAME: {n.ifname}}}\n" for n in nodes)
     )
     return path
 
@@ -55,16 +57,27 @@ def zsteps(out: str) -> dict[int, str]:
     return {int(m[1]): m[2] for m in re.finditer(r"\[node\d:(\d)\] +ZSTEP 29 loss (\S+)", out)}
 
 
-def test_salloc_and_sbatch_train_like_ssh(cluster, slurm, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    cfg = config(slurm, tmp_path)
-    args = ["--device", "cpu", "--pg_timeout", "60", "--config", str(cfg), "--env", "MN_MODE=zero", str(SCRIPT)]
-    # The same job over SSH: the reference losses.
-    code, ssh_out = run_launcher(
-        ["--hostfile", str(cluster.dir / "hostfile"), "--exclude", "node3", *args], env=launcher_env(cluster), cwd=tmp_path
+def zero_args(nodes, tmp_path: Path) -> list[str]:  # type: ignore[no-untyped-def]
+    return ["--device", "cpu", "--pg_timeout", "60", "--config", str(config(nodes, tmp_path)), "--env", "MN_MODE=zero", str(SCRIPT)]
+
+
+@pytest.fixture(scope="module")
+def reference(cluster, tmp_path_factory) -> dict[int, str]:  # type: ignore[no-untyped-def]
+    """The final losses of the 4-rank ZeRO-3 job over SSH."""
+    tmp_path = tmp_path_factory.mktemp("ssh")
+    code, out = run_launcher(
+        ["--hostfile", str(cluster.dir / "hostfile"), "--exclude", "node3", *zero_args(cluster.nodes[:2], tmp_path)],
+        env=launcher_env(cluster),
+        cwd=tmp_path,
     )
-    assert code == 0, ssh_out
-    reference = zsteps(ssh_out)
-    assert sorted(reference) == [0, 1, 2, 3], ssh_out
+    assert code == 0, out
+    losses = zsteps(out)
+    assert sorted(losses) == [0, 1, 2, 3], out
+    return losses
+
+
+def test_salloc_and_sbatch_train_like_ssh(cluster, slurm, reference, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    args = zero_args(slurm.nodes, tmp_path)
 
     # From inside `salloc -N2`: auto picks slurm.
     env = slurm.env(launcher_env(cluster))
@@ -97,8 +110,8 @@ def _running_job(cluster, slurm, tmp_path: Path, alloc_env: dict[str, str], **mn
     batch script), so the test signals zerorun itself."""
     env = slurm.env(launcher_env(cluster, **alloc_env))
     named = [a for k, v in mn.items() for a in ("--env", f"{k}={v}")]
-    args = ["--device", "cpu", "--grace_period", "2", "--pg_timeout", "60", "--config", str(config(slurm, tmp_path)),
-            *named, str(SCRIPT)]
+    args = ["--device", "cpu", "--num_gpus", "1", "--grace_period", "2", "--pg_timeout", "60",
+            "--config", str(config(slurm.nodes, tmp_path)), *named, str(SCRIPT)]
     return Launch(args, env=env, cwd=tmp_path)
 
 
@@ -121,7 +134,7 @@ def test_stop_paths(cluster, slurm, tmp_path: Path) -> None:  # type: ignore[no-
 
         # 1. SIGTERM to zerorun: forwarded, exit 143.
         launch = job("loop")
-        launch.wait_for(lambda o: "[node2:3] STEP 10" in o, 90)
+        launch.wait_for(lambda o: "[node2:1] STEP 10" in o, 90)
         t0 = time.monotonic()
         launch.proc.send_signal(signal.SIGTERM)
         assert launch.finish(15) == 143, launch.output
@@ -130,15 +143,15 @@ def test_stop_paths(cluster, slurm, tmp_path: Path) -> None:  # type: ignore[no-
         assert not left, describe(left)
 
         # 2. A failing rank on node 2: its exit code, every node stopped.
-        launch = job("fail", MN_FAIL_RANK="3", MN_FAIL_CODE="3")
+        launch = job("fail", MN_FAIL_RANK="1", MN_FAIL_CODE="3")
         assert launch.finish(90) == 3, launch.output
-        assert re.search(r"rank node2:3 failed \(exit 3\)", launch.output), launch.output
+        assert re.search(r"rank node2:1 failed \(exit 3\)", launch.output), launch.output
         left = wait_clean(slurm.nodes, 10)
         assert not left, describe(left)
 
         # 3. scancel of the job: the step dies, the launcher reports the nodes lost, exit 255.
         launch = job("loop")
-        launch.wait_for(lambda o: "[node2:3] STEP 10" in o, 90)
+        launch.wait_for(lambda o: "[node2:1] STEP 10" in o, 90)
         t0 = time.monotonic()
         subprocess.run(["scancel", jid], env=env, check=True, timeout=10)
         code = launch.finish(15)
@@ -150,3 +163,53 @@ def test_stop_paths(cluster, slurm, tmp_path: Path) -> None:  # type: ignore[no-
         subprocess.run(["scancel", "-u", "root"], env=env, timeout=10, check=False)
         if alloc.poll() is None:
             alloc.kill()
+
+
+def _children(pid: int, comm: str) -> list[int]:
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)
+            name = fields[0].split("(", 1)[1]
+            if int(fields[1].split()[1]) == pid and name == comm:
+                out.append(int(stat.parent.name))
+        except (OSError, IndexError, ValueError):
+            continue
+    return out
+
+
+def test_mpi_trains_like_ssh_and_stops(cluster, reference, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    nodes = cluster.nodes[:2]
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("".join(f"{n.alias} slots=2\n" for n in nodes))
+    home = cluster.home / ".ssh"
+    # mpirun's own ssh: the test's config and known hosts (OpenSSH reads ~ from passwd, not $HOME).
+    rsh = f"ssh -F {home / 'config'} -o BatchMode=yes -o UserKnownHostsFile={home / 'known_hosts'}"
+    env = launcher_env(cluster, OMPI_MCA_plm_rsh_agent=rsh)
+    head = ["--launcher", "mpi", "--hostfile", str(hostfile)]
+    code, out = run_launcher([*head, *zero_args(nodes, tmp_path)], env=env, cwd=tmp_path, timeout=120)
+    assert code == 0, out
+    assert out.startswith("zerorun: launcher mpi: --launcher mpi"), out
+    assert zsteps(out) == reference, out
+    assert not wait_clean(nodes, 10)
+
+    stop = [*head, "--num_gpus", "1", "--device", "cpu", "--grace_period", "2", "--pg_timeout", "60",
+            "--config", str(config(nodes, tmp_path))]
+    # A killed mpirun: its daemons take the agents along, the launcher reports the nodes lost.
+    launch = Launch([*stop, "--env", "MN_MODE=loop", str(SCRIPT)], env=env, cwd=tmp_path)
+    launch.wait_for(lambda o: "[node2:1] STEP 10" in o, 90)
+    mpirun = _children(launch.proc.pid, "mpirun")
+    assert len(mpirun) == 1, mpirun
+    t0 = time.monotonic()
+    os.kill(mpirun[0], signal.SIGKILL)
+    assert launch.finish(15) == 255, launch.output
+    assert time.monotonic() - t0 < 10
+    left = wait_clean(nodes, 10)
+    assert not left, describe(left)
+
+    # A failing rank on node 2: its exit code, as over SSH.
+    code, out = run_launcher([*stop, "--env", "MN_MODE=fail", "--env", "MN_FAIL_RANK=1", str(SCRIPT)], env=env, cwd=tmp_path)
+    assert code == 3, out
+    assert re.search(r"rank node2:1 failed \(exit 3\)", out), out
+    left = wait_clean(nodes, 10)
+    assert not left, describe(left)

@@ -11,7 +11,8 @@
    or a batch script) -> `slurm`;
 5. a hostfile -> `ssh`;
 6. otherwise `local` (this machine).
-A one-task Slurm step (`srun -N1 zerorun ...`) is `local`: this node only.
+A one-task Slurm step (`srun -N1 zerorun ...`) is `local`: this node only. `mpi` (Open MPI's
+mpirun starts the node agents of a hostfile) is only ever chosen explicitly.
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ from zerorun.launch.slurm_env import SlurmEnv, read_slurm_env
 
 __all__ = ["LAUNCHERS", "Launcher", "LauncherChoice", "choose_launcher"]
 
-Launcher = Literal["local", "ssh", "slurm", "pernode"]
-LAUNCHERS: tuple[str, ...] = ("auto", "local", "ssh", "slurm", "pernode")
+Launcher = Literal["local", "ssh", "slurm", "mpi", "pernode"]
+LAUNCHERS: tuple[str, ...] = ("auto", "local", "ssh", "slurm", "mpi", "pernode")
 
 
 @dataclass(frozen=True)
@@ -57,7 +58,7 @@ def choose_launcher(
 
     if want != "auto":
         reason = "--launcher " + want
-        if want == "ssh" and hostfile is None:
+        if want in ("ssh", "mpi") and hostfile is None:
             raise LaunchError(f"--launcher {want} needs --hostfile (the nodes to start on).")
         if want == "slurm" and not slurm.in_allocation:
             raise LaunchError(

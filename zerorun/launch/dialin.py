@@ -1,0 +1,262 @@
+"""Node agents that dial in: a scheduler's launcher command (srun, mpirun) starts `python -m
+zerorun.launch.agent --dial` on every node, and each agent connects back to this launcher over
+TCP, then speaks `launch/wire.py` exactly as an SSH agent does (preflight, plan, rank messages,
+heartbeats). Used by `launch/slurm.py` and `launch/mpi.py`.
+
+- The launcher listens on a free port; `ZERORUN_AGENT_DIAL` (`HOST[,HOST...]:PORT`, this
+  machine's addresses) and `ZERORUN_AGENT_TOKEN` (a per-job secret) reach the agents through
+  the scheduler's environment, never a command line. An agent's first message is `dial` {token,
+  node, hostname, pid}; `node` names which node it is (the Slurm node name, or the MPI rank).
+- The preflight is the SSH one: same zerorun version and protocol, the script exists, the GPUs
+  cover the slots (`remote.check_devices`), the master port free (or picked) on node 0; the
+  master address is node 0's address on its connection to the launcher.
+- Runners are `link.LinkRunner`s; the last one closed ends the scheduler's command (SIGTERM to
+  its process group, SIGKILL after 5 s): with no task left, the scheduler kills what it started.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import secrets
+import signal
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import replace
+from typing import Any
+
+from zerorun.errors import LaunchError
+from zerorun.launch import tcp_link, wire
+from zerorun.launch.link import Link, LinkHub, LinkRunner
+
+__all__ = ["local_addresses", "DialedStep", "DialedRunner", "prepare_dialed", "START_TIMEOUT_S"]
+
+# How long the agents get to dial in after the command started (node start-up, a busy scheduler).
+START_TIMEOUT_S = 60.0
+
+
+def local_addresses() -> list[str]:
+    """This machine's IPv4 addresses, loopback last (candidates for the agents to dial)."""
+    import fcntl
+    import struct
+
+    found: list[str] = []
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:
+                packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))  # SIOCGIFADDR
+            except OSError:
+                continue
+            addr = socket.inet_ntoa(packed[20:24])
+            if addr not in found:
+                found.append(addr)
+    return sorted(found, key=lambda a: a.startswith("127."))
+
+
+class DialedStep:
+    """The scheduler's command (srun, mpirun): its output tail, and SIGTERM once every runner
+    closed."""
+
+    def __init__(self, argv: list[str], env: Mapping[str, str], cwd: str) -> None:
+        self.argv = argv
+        self.what = os.path.basename(argv[0])
+        try:
+            self.proc = subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                env=dict(env),
+                cwd=cwd,
+                start_new_session=True,  # Ctrl-C reaches zerorun, which stops the step its own way
+            )
+        except FileNotFoundError:
+            raise LaunchError(f"{argv[0]} is not installed here (or not on PATH).") from None
+        self.tail: list[str] = []
+        self._open = 0
+        self._lock = threading.Lock()
+        threading.Thread(target=self._read, name=f"zerorun-{self.what}-output", daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for raw in self.proc.stdout:
+            line = raw.decode("utf-8", "replace").rstrip()
+            if line:
+                self.tail.append(line)
+                del self.tail[:-40]
+
+    def describe_exit(self) -> str:
+        code = self.proc.poll()
+        tail = "\n".join(f"  {line}" for line in self.tail[-10:])
+        return f"{self.what} exited with status {code}" + (f":\n{tail}" if tail else "")
+
+    def hold(self) -> None:
+        with self._lock:
+            self._open += 1
+
+    def release(self) -> None:
+        with self._lock:
+            self._open -= 1
+            last = self._open <= 0
+        if last:
+            self.stop()
+
+    def stop(self, grace: float = 5.0) -> None:
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            try:
+                self.proc.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                try:
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                self.proc.wait(timeout=5)
+
+
+class DialedRunner(LinkRunner):
+    """`LinkRunner` whose last `close()` also ends the scheduler's command."""
+
+    def __init__(self, *args: Any, step: DialedStep, owns_hub: LinkHub | None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.step = step
+        self.owns_hub = owns_hub
+        step.hold()
+
+    def close(self) -> None:
+        try:
+            super().close()
+        finally:
+            self.step.release()
+            if self.owns_hub is not None:
+                self.owns_hub.close()
+
+
+def prepare_dialed(
+    plan: Any,
+    options: Any,
+    *,
+    command: Callable[[str], list[str]],
+    env: Mapping[str, str],
+    cwd: str,
+    python: str,
+    node_of: Callable[[str], str | None],
+) -> tuple[Any, list[Any]]:
+    """Run `command(dial_target)` (argv; `dial_target` is `HOSTS:PORT`) with `env` plus the dial
+    variables, wait for every node's agent, run the preflight, return the plan with the master
+    the ranks will use and one runner per node. `node_of(dial_node)` maps an agent's `node` to
+    its host name in the plan (None: not one of ours). Nothing starts before every node passed;
+    a failure stops the command and raises LaunchError naming the nodes."""
+    from zerorun._version import __version__
+    from zerorun.launch.remote import check_devices, ssh_options_from
+    from zerorun.launch.ssh import join_errors
+
+    names = [n.host.name for n in plan.nodes]
+    listener = tcp_link.listen(0)
+    port = listener.getsockname()[1]
+    token = secrets.token_hex(16)
+    addresses = [a for a in [env.get("ZERORUN_LAUNCHER_ADDR", ""), *local_addresses()] if a]
+    target = f"{','.join(addresses)}:{port}"
+    argv = command(target)
+    hub = LinkHub()
+    step = DialedStep(argv, {**env, "ZERORUN_AGENT_DIAL": target, "ZERORUN_AGENT_TOKEN": token}, cwd)
+    links: dict[str, Link] = {}
+    try:
+        timeout = float(env.get("ZERORUN_AGENT_START_TIMEOUT", env.get("ZERORUN_SLURM_START_TIMEOUT", START_TIMEOUT_S)))
+        deadline = time.monotonic() + timeout
+        while len(links) < len(names):
+            if step.proc.poll() is not None:
+                raise LaunchError(
+                    f"the node agents did not start ({len(links)} of {len(names)} dialed in): {step.describe_exit()}"
+                )
+            link = tcp_link.accept(listener, hub, min(deadline, time.monotonic() + 0.5), name="agent")
+            if link is None:
+                if time.monotonic() >= deadline:
+                    missing = [n for n in names if n not in links]
+                    raise LaunchError(
+                        f"the node agents of {', '.join(missing)} did not dial in to this launcher within "
+                        f"{timeout:g} s (port {port} on {', '.join(addresses)}); a firewall between the nodes and "
+                        "this machine? Set ZERORUN_LAUNCHER_ADDR to an address they can reach."
+                    )
+                continue
+            try:
+                hello = link.messages.get(timeout=10)
+            except queue.Empty:
+                hello = None
+            name = node_of(str(hello.get("node"))) if hello and hello.get("t") == "dial" else None
+            if hello is None or hello.get("token") != token or name not in names or name in links:
+                link.close()  # not one of ours (or a duplicate): ignore
+                continue
+            assert name is not None
+            link.name = link.display = name
+            links[name] = link
+        listener.close()
+
+        for i, name in enumerate(names):
+            links[name].send(
+                "preflight",
+                version=__version__,
+                protocol=wire.PROTOCOL_VERSION,
+                check_port=options.master_port if i == 0 else None,
+                pick_port=i == 0 and options.master_port is None,
+                script=plan.target.script,
+            )
+        hellos: dict[str, dict[str, Any]] = {}
+        errors: dict[str, str] = {}
+        hello_deadline = time.monotonic() + 30
+        for name in names:
+            msg: dict[str, Any] | None = None
+            while True:
+                try:
+                    msg = links[name].messages.get(timeout=max(0.0, hello_deadline - time.monotonic()))
+                except queue.Empty:
+                    msg = None
+                    break
+                if msg is None or msg.get("t") == "hello":
+                    break
+            if msg is None:
+                tail = "; ".join(links[name].stderr_tail[-3:] or step.tail[-3:])
+                errors[name] = f"{name}: the node agent did not answer the preflight" + (f" ({tail})" if tail else "")
+            elif msg.get("version") != __version__ or msg.get("protocol") != wire.PROTOCOL_VERSION:
+                errors[name] = (
+                    f"{name}: {python} there imports zerorun {msg.get('version')}, this launcher is zerorun "
+                    f"{__version__}. Install the same version on every node."
+                )
+            elif msg.get("error"):
+                errors[name] = f"{name}: {msg['error']}"
+            else:
+                hellos[name] = msg
+        if errors:
+            raise LaunchError(join_errors("The preflight", errors) + " Nothing was started.")
+        master = hellos[names[0]]
+        check_devices(plan, hellos, auto=getattr(options, "device", None) in (None, "auto"))
+        addr = options.master_addr or master.get("server_addr") or names[0]
+        plan = replace(plan.with_master(addr, int(master["port"])), cwd=cwd)
+        ssh = ssh_options_from(options)
+        runners: list[Any] = [
+            DialedRunner(
+                plan,
+                node,
+                links[node.host.name],
+                hub,
+                heartbeat_s=ssh.heartbeat_s,
+                heartbeat_timeout_s=ssh.heartbeat_timeout_s,
+                step=step,
+                owns_hub=hub if i == len(plan.nodes) - 1 else None,
+            )
+            for i, node in enumerate(plan.nodes)
+        ]
+        return plan, runners
+    except BaseException:
+        listener.close()
+        for link in links.values():
+            link.close()
+        step.stop(grace=2.0)
+        hub.close()
+        raise
