@@ -4,7 +4,8 @@ Launcher options end at SCRIPT (or `-m MODULE`); everything after it belongs to 
 even when it looks like one of ours. Every multi-word option takes both spellings
 (`--num_gpus` as DeepSpeed users type it, `--num-gpus` as typer and torchrun users do): the
 underscore form is rewritten before parsing, so help shows one. Parsing stops here: the
-options become a frozen `LaunchOptions`, and `_run` hands them to `launch.job.run_job` (or
+options become a frozen `LaunchOptions`, and `_run` hands them to `launch.job.run_job` (through
+`launch.restart`, which calls it again after a retryable failure with --max_restarts; or
 `plan_job` for `--dry-run`) and returns the exit code.
 No torch at module level: `zerorun --help` must start fast.
 """
@@ -133,6 +134,22 @@ def launch(
     mpi_args: Optional[str] = typer.Option(  # noqa: UP045
         None, "--mpi-args", metavar="ARGS", help="Extra mpirun options for --launcher mpi, e.g. '--mca btl_tcp_if_include eth0'."
     ),
+    max_restarts: Optional[int] = typer.Option(  # noqa: UP045
+        None, "--max-restarts", metavar="N", min=0,
+        help="Restart the job up to N times after a rank is killed, a node is lost or a hang (docs/fault-tolerance.md).",
+    ),
+    restart_on_any_failure: bool = typer.Option(
+        False, "--restart-on-any-failure", help="Also restart after an exception every rank raised before the first step."
+    ),
+    resume_from: Optional[str] = typer.Option(  # noqa: UP045
+        None, "--resume-from", metavar="DIR", help="zerorun.initialize loads the latest checkpoint of DIR (if any) in every rank."
+    ),
+    save_on_preemption: bool = typer.Option(
+        False, "--save-on-preemption", help="On SIGTERM the ranks save a checkpoint at the next step and exit with code 75."
+    ),
+    preemption_grace: Optional[float] = typer.Option(  # noqa: UP045
+        None, "--preemption-grace", metavar="SECONDS", min=1, help="Seconds ranks get to save after SIGTERM (default 25)."
+    ),
     version: bool = typer.Option(False, "--version", is_eager=True, callback=_version, help="Show the version."),
 ) -> None:
     """Start a job: every rank runs SCRIPT (or -m MODULE) with torchrun's environment."""
@@ -183,6 +200,11 @@ def launch(
         rdzv_port=rdzv_port,
         rdzv_timeout=rdzv_timeout,
         slurm_args=slurm_args,
+        max_restarts=max_restarts,
+        restart_on_any_failure=True if restart_on_any_failure else None,
+        resume_from=resume_from,
+        save_on_preemption=True if save_on_preemption else None,
+        preemption_grace=preemption_grace,
         mpi_args=mpi_args,
     )
     code = _run(options)
@@ -263,7 +285,7 @@ def main() -> None:
 @report_errors
 def _run(options: LaunchOptions) -> int:
     """The job's exit code: 0 after a dry run, otherwise the supervisor's (Contract 5)."""
-    from zerorun.launch.job import plan_job, run_job
+    from zerorun.launch.job import plan_job
 
     try:
         if options.dry_run:
@@ -271,7 +293,9 @@ def _run(options: LaunchOptions) -> int:
 
             sys.stdout.write(format_dry_run(plan_job(options).plan))
             return 0
-        return run_job(options).exit_code
+        from zerorun.launch.restart import run_with_restarts
+
+        return run_with_restarts(options)  # one run_job call unless --max_restarts
     except KeyboardInterrupt:
         # Ctrl-C before the supervisor took over signals: nothing was started yet.
         sys.stderr.write("zerorun: interrupted before the job started\n")

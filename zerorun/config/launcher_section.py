@@ -56,6 +56,22 @@ class LauncherSection(Section):
         "script gets `--local_rank=N` (as `zerorun --deepspeed-compat`).",
     )
 
+    max_restarts: Count | None = field(
+        None, "Restart the job up to N times after a retryable failure (`--max_restarts`; docs/fault-tolerance.md).", ge=0
+    )
+    restart_on_any_failure: bool | None = field(
+        None, "Also restart after an exception every rank raised before the first optimizer step (`--restart_on_any_failure`)."
+    )
+    resume_from: str | None = field(
+        None, "Every rank loads the latest checkpoint of this directory, if any (`--resume_from`); relative to the config file."
+    )
+    save_on_preemption: bool | None = field(
+        None, "On SIGTERM the ranks save a checkpoint at their next step boundary and exit with code 75 (`--save_on_preemption`)."
+    )
+    preemption_grace: Real | None = field(
+        None, "Seconds the ranks get to save after SIGTERM with `save_on_preemption` (default 25).", gt=0
+    )
+
     @field_validator("env")
     @classmethod
     def _env_names(cls, value: dict[str, str]) -> dict[str, str]:

@@ -107,12 +107,19 @@ class LaunchOptions:
     rdzv_timeout: float | None = None
     slurm_args: str | None = None
     mpi_args: str | None = None
+    # fault tolerance (docs/fault-tolerance.md; launch/restart.py). None: not given.
+    max_restarts: int | None = None  # attempts after the first (0: none)
+    restart_on_any_failure: bool | None = None  # also retry a setup error raised on every rank
+    resume_from: str | None = None  # the ranks load `latest` of this directory (ZERORUN_RESUME_FROM)
+    save_on_preemption: bool | None = None  # SIGTERM: ranks save at the next step and exit 75
+    preemption_grace: float | None = None  # seconds the ranks get for that (default 25)
 
     # Fields the config's `launcher:` section may fill when the command line left them out.
     MERGEABLE = (
         "num_gpus", "num_nodes", "hostfile", "include", "exclude", "master_addr", "master_port",
         "device", "ranks_per_gpu", "pg_timeout", "hang_timeout", "log_dir", "deepspeed_compat",
-        "launcher", "rdzv_timeout",
+        "launcher", "rdzv_timeout", "max_restarts", "restart_on_any_failure", "resume_from",
+        "save_on_preemption", "preemption_grace",
     )
 
     def merged(self, section: Mapping[str, object], *, base_dir: Path | None = None) -> LaunchOptions:
@@ -124,7 +131,7 @@ class LaunchOptions:
             value = section.get(name)
             if value is None or getattr(self, name) is not None:
                 continue
-            if name in ("hostfile", "log_dir") and base_dir is not None:
+            if name in ("hostfile", "log_dir", "resume_from") and base_dir is not None:
                 value = str(base_dir / Path(str(value)).expanduser())
             updates[name] = value
         return replace(self, **updates)  # type: ignore[arg-type]
@@ -188,6 +195,10 @@ class LaunchPlan:
     local_rank_arg: str | None = None
     # `import deepspeed` in the ranks is zerorun's compatibility layer (ZERORUN_DEEPSPEED_COMPAT).
     deepspeed_compat: bool = False
+    # Fault tolerance (Contract 2): the directory whose `latest` the ranks load
+    # (ZERORUN_RESUME_FROM), and SIGTERM = save and exit (ZERORUN_SAVE_ON_PREEMPTION).
+    resume_from: str | None = None
+    save_on_preemption: bool = False
 
     @property
     def ranks(self) -> list[RankSpec]:
@@ -235,6 +246,10 @@ class LaunchPlan:
             env["ZERORUN_CONFIG"] = self.config_path
         if event_fd is not None:
             env["ZERORUN_EVENT_FD"] = str(event_fd)
+        if self.resume_from is not None:
+            env["ZERORUN_RESUME_FROM"] = self.resume_from
+        if self.save_on_preemption:
+            env["ZERORUN_SAVE_ON_PREEMPTION"] = "1"
         if self.deepspeed_compat:
             env["ZERORUN_DEEPSPEED_COMPAT"] = "1"
         return env
@@ -385,6 +400,8 @@ def build_plan(
         omp_threads=omp,
         local_rank_arg=local_rank_arg,
         deepspeed_compat=bool(options.deepspeed_compat),
+        resume_from=os.path.abspath(options.resume_from) if options.resume_from else None,
+        save_on_preemption=bool(options.save_on_preemption),
     )
 
 

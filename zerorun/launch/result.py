@@ -22,9 +22,13 @@ __all__ = [
     "where",
     "HANG_EXIT_CODE",
     "NODE_LOST_EXIT_CODE",
+    "PREEMPTED_EXIT_CODE",
 ]
 
 HANG_EXIT_CODE = 124
+# Ranks that saved a checkpoint after SIGTERM with --save_on_preemption exit with this code, and
+# so does the launcher (EX_TEMPFAIL; the runtime's runtime/checkpoint/options.py has the same).
+PREEMPTED_EXIT_CODE = 75
 NODE_LOST_EXIT_CODE = 255
 _TAIL_LINES = 20
 
@@ -84,7 +88,7 @@ class RankState:
 @dataclass
 class JobResult:
     exit_code: int
-    reason: Literal["ok", "rank_failed", "interrupted", "hang", "node_lost"]
+    reason: Literal["ok", "rank_failed", "interrupted", "hang", "node_lost", "preempted"]
     ranks: list[RankState]
     wall_s: float
     first_failure: int | None = None  # rank

@@ -36,6 +36,7 @@ from zerorun.launch.plan import LaunchPlan
 from zerorun.launch.result import (
     HANG_EXIT_CODE,
     NODE_LOST_EXIT_CODE,
+    PREEMPTED_EXIT_CODE,
     JobResult,
     RankState,
     describe_exit,
@@ -77,12 +78,17 @@ class Supervisor:
         grace_period: float = 5.0,
         hang_timeout: float | None = None,
         log_dir: str | Path | None = None,
+        preemption_grace: float | None = None,
     ) -> None:
         self.plan = plan
         self.runners = list(runners)
         self.console = console
         self.grace_period = grace_period
         self.hang_timeout = hang_timeout
+        # --save_on_preemption: SIGTERM asks the ranks to save and exit (PREEMPTED_EXIT_CODE)
+        # within this many seconds; None: SIGTERM stops them like Ctrl-C.
+        self.preemption_grace = preemption_grace
+        self._preempted: dict[str, Any] | None = None  # the first `preempted` event
         self.log_dir = Path(log_dir) if log_dir is not None else None
         self.states = {spec.rank: RankState(spec) for spec in plan.ranks}
         # Kept as the states change, not recounted: a scan of 8,000 states per loop turn (or
@@ -97,7 +103,7 @@ class Supervisor:
         self._stopping = False
         self._stop_deadline: float | None = None
         self._killed_at: float | None = None
-        self._reason: Literal["ok", "rank_failed", "interrupted", "hang", "node_lost"] = "ok"
+        self._reason: Literal["ok", "rank_failed", "interrupted", "hang", "node_lost", "preempted"] = "ok"
         self._exit_code = 0
         self._first_failure: int | None = None
         self._message = ""
@@ -133,6 +139,7 @@ class Supervisor:
                 _quietly(runner.close)
             self._drain_nowait()
             self._restore_signal_handlers(old_handlers)
+        self._settle_preemption()
         result = JobResult(
             exit_code=self._exit_code,
             reason=self._reason,
@@ -254,6 +261,9 @@ class Supervisor:
             state.status = {k: v for k, v in ev.items() if k not in ("kind", "t", "pid")}
         elif kind == "error":
             state.error = {k: ev.get(k) for k in ("type", "message", "traceback")}
+        elif kind == "preempted" and self._preempted is None:
+            self._preempted = {k: ev.get(k) for k in ("tag", "dir", "step")}
+            self.console.note(f"preempted: the ranks saved checkpoint {ev.get('tag')} in {ev.get('dir')} and are exiting")
         if self._joblog is not None:
             self._joblog.event(msg.rank, ev)
 
@@ -268,6 +278,8 @@ class Supervisor:
             state.started = state.ended
         if msg.returncode == 0:
             state.state = "exited"
+        elif msg.returncode == PREEMPTED_EXIT_CODE and self.preemption_grace is not None:
+            state.state = "exited"  # saved its part of the checkpoint and stopped, as asked
         elif self._stopping:
             state.state = "stopped"  # a consequence of the stop, not a root cause
         else:
@@ -339,6 +351,21 @@ class Supervisor:
     def _on_launcher_signal(self, sig: int) -> None:
         self._signals_seen += 1
         name = signal.Signals(sig).name
+        if not self._stopping and sig == signal.SIGTERM and self.preemption_grace is not None:
+            self._reason = "interrupted"  # until the ranks report their save (_settle_preemption)
+            self._exit_code = 128 + sig
+            self._message = f"the launcher got {name}; the ranks did not all save a checkpoint"
+            self.console.note(
+                f"{name}: the ranks save a checkpoint at their next step boundary and exit (--save_on_preemption); "
+                f"they get {self.preemption_grace:g} s before SIGKILL",
+                level="warn",
+            )
+            self._stopping = True
+            self._stop_deadline = time.monotonic() + self.preemption_grace
+            for runner in self.runners:
+                # The rank alone: its DataLoader workers and other children must live until it saved.
+                _quietly(runner.signal, sig, tree=False)
+            return
         if not self._stopping:
             self._reason = "interrupted"
             self._exit_code = 128 + sig
@@ -352,6 +379,18 @@ class Supervisor:
             self._begin_stop(forward)
         elif self._signals_seen >= 2:
             self._kill_all(f"second {name}")
+
+    def _settle_preemption(self) -> None:
+        """Every rank exited 0 or PREEMPTED_EXIT_CODE after a `preempted` event: the job was
+        preempted with its checkpoint saved (whoever sent the SIGTERM), not failed."""
+        if self._preempted is None or self.preemption_grace is None:
+            return
+        codes = [s.returncode for s in self.states.values()]
+        if PREEMPTED_EXIT_CODE in codes and all(c in (0, PREEMPTED_EXIT_CODE) for c in codes):
+            self._reason = "preempted"
+            self._exit_code = PREEMPTED_EXIT_CODE
+            self._message = f"preempted; checkpoint {self._preempted.get('tag')} saved in {self._preempted.get('dir')}"
+            self.console.note(self._message)
 
     # -- hangs ------------------------------------------------------------------------------
 

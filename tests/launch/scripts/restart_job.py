@@ -1,0 +1,22 @@
+"""A rank program for the restart tests (tests/launch/test_restart.py), no torch: RJ_MODE picks
+the failure. setup_error: every rank raises the same exception at once (a config mistake);
+kill: rank 1 SIGKILLs itself (every attempt), the others wait to be stopped."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+MODE = os.environ.get("RJ_MODE", "setup_error")
+RANK = int(os.environ.get("RANK", "0"))
+
+if MODE == "setup_error":
+    raise ValueError("learning rate 'fast' is not a number")
+if MODE == "kill":
+    if RANK == 1:
+        time.sleep(0.3)
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(60)
+sys.exit(f"unknown RJ_MODE {MODE}")

@@ -1,0 +1,243 @@
+"""Restarts (launch/restart.py) and preemption through the real launcher: CPU ranks on gloo.
+
+The classification is a pure function, tested case by case; the real launches are shared:
+one uninterrupted 4-rank stage-2 run is the reference for both the kill -9 restart and the
+preempted-then-resumed run (same data order, same losses, same final fp32 masters).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from _launch import REPO, SCRIPTS, kill_tagged, run, start, wait_until_gone
+
+from zerorun.launch.plan import RankSpec
+from zerorun.launch.restart import Attempt, budget_message, classify
+from zerorun.launch.result import PREEMPTED_EXIT_CODE, JobResult, RankState
+
+sys.path.insert(0, str(REPO / "tests"))
+from _ranks import run_ranks  # noqa: E402
+
+WORKER = REPO / "tests" / "runtime" / "checkpoint" / "_ft_worker.py"
+RESTART_JOB = SCRIPTS / "restart_job.py"
+STEPS = 8
+
+
+# --- classification (pure) ---------------------------------------------------------------
+
+
+def _result(reason: str, code: int, ranks: list[dict], first: int | None = 0, message: str = "") -> JobResult:
+    states = []
+    for r, spec in enumerate(ranks):
+        st = RankState(RankSpec(r, r, 0, "localhost", None))
+        st.returncode = spec.get("rc")
+        st.state = spec.get("state", "failed")
+        st.error = spec.get("error")
+        st.status = spec.get("status")
+        states.append(st)
+    return JobResult(exit_code=code, reason=reason, ranks=states, wall_s=1.0, first_failure=first, message=message)  # type: ignore[arg-type]
+
+
+SETUP = {"type": "ValueError", "message": "learning rate 'fast' is not a number"}
+
+
+@pytest.mark.parametrize(
+    ("result", "retry", "words"),
+    [
+        (_result("ok", 0, [{"rc": 0, "state": "exited"}]), False, "finished"),
+        (_result("rank_failed", 137, [{"rc": -9}, {"rc": -15, "state": "stopped"}]), True, "SIGKILL"),
+        (_result("node_lost", 255, [{"rc": None, "state": "lost"}], message="node w2 was lost"), True, "lost node"),
+        (_result("hang", 124, [{"rc": -9, "state": "stopped"}], first=None, message="no progress"), True, "hang"),
+        (_result("interrupted", 130, [{"rc": -2, "state": "stopped"}]), False, "interrupted"),
+        (_result("preempted", PREEMPTED_EXIT_CODE, [{"rc": PREEMPTED_EXIT_CODE, "state": "exited"}]), False, "preempted"),
+        # the same exception on every rank that reported one, the others stopped, no step yet
+        (_result("rank_failed", 1, [{"rc": 1, "error": SETUP}, {"rc": -15, "state": "stopped"}]), False, "setup"),
+        (_result("rank_failed", 1, [{"rc": 1, "error": SETUP}, {"rc": 1, "error": SETUP}]), False, "not retried"),
+        # ... but after the first optimizer step, or different on two ranks: retried
+        (_result("rank_failed", 1, [{"rc": 1, "error": SETUP, "status": {"step": 3}}, {"rc": -15, "state": "stopped"}]), True, "failed"),
+        (_result("rank_failed", 1, [{"rc": 1, "error": SETUP}, {"rc": 1, "error": {"type": "KeyError", "message": "x"}}]), True, "failed"),
+        # a collective that lost its peer is the consequence of a failure elsewhere
+        (_result("rank_failed", 1, [{"rc": 1, "error": {"type": "RuntimeError", "message": "Connection closed by peer"}}]), True, "communication"),
+    ],
+)
+def test_classify(result: JobResult, retry: bool, words: str) -> None:
+    got, why = classify(result)
+    assert got == retry, why
+    assert words in why
+
+
+def test_restart_on_any_failure_retries_a_setup_error() -> None:
+    res = _result("rank_failed", 1, [{"rc": 1, "error": SETUP}, {"rc": 1, "error": SETUP}])
+    retry, why = classify(res, restart_on_any_failure=True)
+    assert retry and "--restart_on_any_failure" in why
+
+
+def test_budget_message_names_every_attempt() -> None:
+    attempts = [Attempt(1, 137, "rank_failed", "", True, "rank 2 was killed (signal 9)", None),
+                Attempt(2, 124, "hang", "", True, "hang: no progress", None)]
+    text = budget_message(attempts, 1)
+    assert "restart budget of 1 exhausted" in text
+    assert "attempt 1: rank 2 was killed (signal 9)" in text and "attempt 2: hang: no progress" in text
+
+
+def test_preempted_exit_code_is_the_runtimes() -> None:
+    from zerorun.runtime.checkpoint.options import PREEMPTED_EXIT_CODE as runtime_code
+
+    assert runtime_code == PREEMPTED_EXIT_CODE
+
+
+# --- real launches without torch ----------------------------------------------------------
+
+
+def test_setup_error_is_not_restarted(tmp_path: Path) -> None:
+    logs = tmp_path / "logs"
+    code, out, err, tag = run(
+        ["--num_gpus", "2", "--max_restarts", "2", "--log_dir", str(logs), str(RESTART_JOB)],
+        env={"RJ_MODE": "setup_error"},
+    )
+    assert code == 1, err
+    assert not wait_until_gone(tag, 5)
+    assert "attempt 1/3" in err and "attempt 2/3" not in err
+    assert "not retried" in err and "learning rate 'fast' is not a number" in err
+    summary = json.loads((logs / "summary.json").read_text())
+    assert [a["attempt"] for a in summary["attempts"]] == [1]
+    assert summary["exit_code"] == 1 and summary["attempts"][0]["retryable"] is False
+    assert (logs / "attempt1" / "summary.json").is_file() and not (logs / "attempt2").exists()
+
+
+def test_restart_budget_exhausted_names_every_attempt(tmp_path: Path) -> None:
+    logs = tmp_path / "logs"
+    code, out, err, tag = run(
+        ["--num_gpus", "2", "--max_restarts", "1", "--grace_period", "1", "--log_dir", str(logs), str(RESTART_JOB)],
+        env={"RJ_MODE": "kill"},
+    )
+    assert code == 137, err  # the last attempt's: rank 1 killed by signal 9
+    assert not wait_until_gone(tag, 5)
+    assert "attempt 1/2" in err and "attempt 2/2 (restart)" in err
+    assert "restart budget of 1 exhausted" in err
+    assert "attempt 1: rank 1 was killed (signal 9 (SIGKILL)" in err and "attempt 2: rank 1 was killed" in err
+    summary = json.loads((logs / "summary.json").read_text())
+    assert [(a["attempt"], a["exit_code"], a["retryable"]) for a in summary["attempts"]] == [(1, 137, True), (2, 137, True)]
+    runs = {json.loads((logs / f"attempt{k}" / "summary.json").read_text())["run_id"] for k in (1, 2)}
+    assert len(runs) == 2  # a new run id per attempt
+
+
+# --- real training jobs: kill -9 + restart + auto-resume, preemption ----------------------
+
+
+def _config(ckpt: Path) -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.01}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.01, "warmup_num_steps": 5}},
+        "zero_optimization": {"stage": 2, "reduce_bucket_size": 150},
+        "steps_per_print": 1000,
+        "zerorun": {"checkpoint": {"dir": str(ckpt), "auto_resume": True, "every_n_steps": 2}},
+    }
+
+
+def _losses(out: Path) -> dict[int, float]:
+    """Step -> loss of the last run that logged it (a replayed step overwrites)."""
+    rows = [json.loads(x) for x in (out / "losses_rank0.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows}
+
+
+def _masters(out: Path) -> dict:
+    from zerorun.runtime.checkpoint import get_fp32_state_dict
+
+    return get_fp32_state_dict(out / "final")
+
+
+def _job(tmp: Path, name: str) -> tuple[Path, dict[str, str]]:
+    out = tmp / name
+    out.mkdir()
+    env = {"FT_CONFIG": json.dumps(_config(out / "ckpt")), "FT_OUT": str(out), "FT_STEPS": str(STEPS)}
+    (out / "config.json").write_text(env["FT_CONFIG"])
+    return out, env
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The uninterrupted run: 4 ranks, stage 2, 8 steps (the data loader passes its end at step 5)."""
+    out, env = _job(tmp_path_factory.mktemp("ref"), "ref")
+    results = run_ranks([str(WORKER)], 4, deadline_s=180, extra_env=env)
+    assert [rc for rc, _ in results] == [0] * 4, results[0][1][-3000:]
+    return out
+
+
+def _close(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        diff = (a[k] - b[k]).abs().max().item()
+        scale = b[k].abs().max().item()
+        assert diff <= 1e-6 * scale, (k, diff, scale)
+
+
+def test_kill9_restart_resumes_and_matches_the_uninterrupted_run(tmp_path: Path, reference: Path) -> None:
+    out, env = _job(tmp_path, "kill")
+    logs = tmp_path / "logs"
+    code, _stdout, err, tag = run(
+        ["--num_gpus", "4", "--max_restarts", "2", "--grace_period", "2", "--log_dir", str(logs), str(WORKER)],
+        env={**env, "FT_KILL": "2:7"},
+        timeout=300,
+    )
+    assert code == 0, err[-4000:]
+    assert not wait_until_gone(tag, 5)
+    assert (out / "killed").read_text() == "7"
+    summary = json.loads((logs / "summary.json").read_text())
+    assert [(a["attempt"], a["exit_code"]) for a in summary["attempts"]] == [(1, 137), (2, 0)]
+    assert "rank 2 was killed" in summary["attempts"][0]["why"]
+    assert "attempt 2/3 (restart)" in err
+    # attempt 2 resumed from the last periodic save before the kill (step 6) and replayed step 7
+    rows = [json.loads(x) for x in (out / "losses_rank0.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6, 7, 7, 8]
+    assert rows[-1]["resumed_from"].endswith("ckpt/global_step6")
+    assert _losses(out) == _losses(reference)
+    _close(_masters(out), _masters(reference))
+
+
+def test_sigterm_with_save_on_preemption_saves_exits_75_and_resumes(tmp_path: Path, reference: Path) -> None:
+    out, env = _job(tmp_path, "preempt")
+    logs = tmp_path / "logs"
+    args = ["--num_gpus", "4", "--save_on_preemption", "--log_dir", str(logs), str(WORKER)]
+    launch = start(args, env={**env, "FT_SLOW": "0.25"})
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            f = out / "losses_rank0.jsonl"
+            if f.exists() and len(f.read_text().splitlines()) >= 2:
+                break
+            time.sleep(0.1)
+        else:
+            raise AssertionError("the job did not reach step 2")
+        # Like Slurm's scancel or a Kubernetes eviction: SIGTERM to the launcher, which forwards it.
+        os.kill(launch.proc.pid, signal.SIGTERM)
+        code, _stdout, err = launch.finish(120)
+    finally:
+        kill_tagged(launch.tag)
+    assert code == PREEMPTED_EXIT_CODE, err[-4000:]
+    saved = (out / "ckpt" / "latest").read_text()
+    step = int(saved.removeprefix("global_step"))
+    assert 2 <= step < STEPS
+    assert f"preempted; checkpoint {saved} saved" in err
+    summary = json.loads((logs / "summary.json").read_text())
+    assert summary["reason"] == "preempted" and summary["exit_code"] == PREEMPTED_EXIT_CODE
+    assert not (out / "final").exists()
+
+    # The next submission: the same command resumes from that checkpoint and finishes.
+    code, _stdout, err, tag = run(["--num_gpus", "4", str(WORKER)], env=env, timeout=180)
+    assert code == 0, err[-4000:]
+    assert f"resumed from {out / 'ckpt' / saved} at step {step}" in err
+    # Every step's loss equals the uninterrupted run's; the preempted step's loss was never
+    # logged (engine.step() saved and exited before the script saw it).
+    got, ref = _losses(out), _losses(reference)
+    assert sorted(got) == [s for s in range(1, STEPS + 1) if s != step]
+    assert all(got[s] == ref[s] for s in got)
+    _close(_masters(out), _masters(reference))

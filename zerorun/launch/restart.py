@@ -1,0 +1,212 @@
+"""Restarts: run the job again after a failure that another attempt can get past.
+
+`run_with_restarts(options)` wraps `launch.job.run_job`: with ``--max_restarts N`` (or
+``launcher.max_restarts``; 0, the default, is one attempt and today's behaviour) a failed
+attempt is classified (`classify`), and a retryable one starts the job again from scratch --
+same options, a new run id, a new master port unless the user fixed one that is still free --
+at most N times. The ranks resume by themselves when the config asks for it
+(``zerorun.checkpoint.auto_resume`` or ``--resume_from``; docs/fault-tolerance.md).
+
+What is retried: a rank killed by a signal (OOM killer, a GPU that fell off the bus, a
+``kill -9``), a lost node or agent, a hang stopped by ``--hang_timeout``, and exceptions that
+name a collective/communication failure. What is not: the same Python exception raised on
+every rank that reported one, before any rank finished its first optimizer step (a setup or
+config error that would fail again; ``--restart_on_any_failure`` retries it anyway), a launcher
+interrupted by Ctrl-C, and a preemption (exit 75: the next submission resumes). Every other
+failure is retried.
+
+With N > 0 and ``--log_dir DIR``: attempt k writes its files to ``DIR/attempt{k}/`` and
+``DIR/summary.json`` lists every attempt (exit code, reason, classification) and the final
+exit code -- the last attempt's.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from zerorun.launch.plan import LaunchOptions
+from zerorun.launch.result import PREEMPTED_EXIT_CODE, JobResult, describe_exit, where
+
+__all__ = ["Attempt", "classify", "run_with_restarts", "budget_message", "with_config_section"]
+
+# Exception texts of a failed collective or a peer that went away: the failure is elsewhere
+# (a rank that died, a flaky link), so another attempt may succeed.
+_TRANSIENT = (
+    "connection closed",
+    "connection reset",
+    "connection refused",
+    "broken pipe",
+    "timed out",
+    "timeout",
+    "nccl",
+    "gloo",
+    "distbackenderror",
+    "cuda error",
+    "ecc error",
+)
+
+
+@dataclass(frozen=True)
+class Attempt:
+    number: int
+    exit_code: int
+    reason: str
+    message: str
+    retry: bool  # whether the failure was one to retry (True for the last one too, when the budget ran out)
+    why: str  # the classification, in words
+    log_dir: str | None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "attempt": self.number,
+            "exit_code": self.exit_code,
+            "reason": self.reason,
+            "message": self.message,
+            "retryable": self.retry,
+            "why": self.why,
+            "log_dir": self.log_dir,
+        }
+
+
+def _reached_first_step(result: JobResult) -> bool:
+    """Whether any rank reported finishing an optimizer step (the engine's `status` events)."""
+    for state in result.ranks:
+        step = (state.status or {}).get("step")
+        if isinstance(step, (int, float)) and step >= 1:
+            return True
+    return False
+
+
+def classify(result: JobResult, *, restart_on_any_failure: bool = False) -> tuple[bool, str]:
+    """(retry?, why) for a finished attempt. Pure."""
+    if result.exit_code == 0:
+        return False, "finished"
+    if result.reason == "preempted" or result.exit_code == PREEMPTED_EXIT_CODE:
+        return False, "preempted (the checkpoint is saved; the next submission resumes)"
+    if result.reason == "interrupted":
+        return False, f"the launcher was interrupted ({result.message})"
+    if result.reason == "node_lost":
+        return True, f"lost node: {result.message}"
+    if result.reason == "hang":
+        return True, f"hang: {result.message}"
+    first = next((s for s in result.ranks if s.rank == result.first_failure), None)
+    if first is not None and first.returncode is not None and first.returncode < 0:
+        return True, f"rank {where(first.spec)} was killed ({describe_exit(first.returncode)})"
+    errors = [(s, s.error) for s in result.ranks if s.error]
+    texts = [f"{e.get('type')}: {e.get('message')}" for _, e in errors]
+    if any(any(t in text.lower() for t in _TRANSIENT) for text in texts):
+        return True, f"a communication failure: {texts[0][:300]}"
+    if errors and len(set(texts)) == 1 and not _reached_first_step(result):
+        silent = [s for s in result.ranks if not s.error and s.state not in ("stopped", "exited")]
+        if not silent:
+            why = (
+                f"{texts[0][:300]} raised on every rank that reported an error, before the first optimizer step "
+                "(a setup or config error would fail again)"
+            )
+            if restart_on_any_failure:
+                return True, why + "; retried (--restart_on_any_failure)"
+            return False, why + "; not retried (--restart_on_any_failure retries it)"
+    if first is not None and first.error:
+        return True, f"rank {where(first.spec)} failed: {texts[0][:300]}"
+    code = describe_exit(first.returncode) if first is not None and first.returncode is not None else f"exit {result.exit_code}"
+    return True, f"rank {where(first.spec) if first is not None else '?'} failed ({code})"
+
+
+def budget_message(attempts: list[Attempt], max_restarts: int) -> str:
+    """The final line when every attempt failed: each attempt's failure, by number."""
+    lines = "; ".join(f"attempt {a.number}: {a.why}" for a in attempts)
+    return f"the job failed {len(attempts)} time(s); restart budget of {max_restarts} exhausted -- {lines}"
+
+
+def _write_summary(log_dir: Path, attempts: list[Attempt], max_restarts: int, final: int) -> None:
+    data = {
+        "max_restarts": max_restarts,
+        "attempts": [a.to_json() for a in attempts],
+        "exit_code": final,
+    }
+    log_dir.mkdir(parents=True, exist_ok=True)
+    (log_dir / "summary.json").write_text(json.dumps(data, indent=2) + "\n")
+
+
+def _say(text: str) -> None:
+    sys.stderr.write(f"zerorun: {text}\n")
+    sys.stderr.flush()
+
+
+_FAULT_KEYS = ("max_restarts", "restart_on_any_failure", "log_dir")
+
+
+def with_config_section(options: LaunchOptions) -> LaunchOptions:
+    """`options` with the restart settings (and the log dir) of the config's `launcher:`
+    section filled in where the command line left them out; the rest is run_job's business."""
+    from zerorun.launch.target import find_config_argument
+
+    path = options.config
+    if path is None:
+        found = find_config_argument(options.target.args)
+        path = found[1] if found is not None else None
+    if path is None or not Path(path).is_file():
+        return options  # no config, or run_job reports the missing file
+    from zerorun.config import load_config
+
+    section = load_config(path).config.launcher.model_dump(exclude_unset=True)
+    subset = {k: v for k, v in section.items() if k in _FAULT_KEYS}
+    return options.merged(subset, base_dir=Path(path).resolve().parent)
+
+
+def run_with_restarts(
+    options: LaunchOptions,
+    *,
+    run_job: Callable[[LaunchOptions], JobResult] | None = None,
+    port_is_free: Callable[[int], bool] | None = None,
+) -> int:
+    """Run the job, restarting it as `classify` says, at most `options.max_restarts` times (the
+    command line's, else the config's); the exit code of the last attempt."""
+    if run_job is None:
+        from zerorun.launch.job import run_job as run_job_default
+
+        run_job = run_job_default
+        options = with_config_section(options)
+    if port_is_free is None:
+        from zerorun.launch.local import port_is_free as port_is_free_default
+
+        port_is_free = port_is_free_default
+    max_restarts = options.max_restarts or 0
+    if max_restarts <= 0:
+        return run_job(options).exit_code
+    total = max_restarts + 1
+    root = Path(options.log_dir) if options.log_dir is not None else None
+    attempts: list[Attempt] = []
+    result: JobResult | None = None
+    for number in range(1, total + 1):
+        attempt_opts = replace(options, run_id=None)
+        if root is not None:
+            attempt_opts = replace(attempt_opts, log_dir=str(root / f"attempt{number}"))
+        if number > 1 and options.master_port is not None and options.hostfile is None and not port_is_free(options.master_port):
+            _say(f"--master_port {options.master_port} is still held; attempt {number} uses a free port")
+            attempt_opts = replace(attempt_opts, master_port=None)
+        _say(f"attempt {number}/{total}" + (" (restart)" if number > 1 else ""))
+        result = run_job(attempt_opts)
+        retry, why = classify(result, restart_on_any_failure=bool(options.restart_on_any_failure))
+        attempts.append(
+            Attempt(number, result.exit_code, result.reason, result.message, retry, why, attempt_opts.log_dir)
+        )
+        if root is not None:
+            _write_summary(root, attempts, max_restarts, result.exit_code)
+        if result.exit_code == 0:
+            if number > 1:
+                _say(f"attempt {number}/{total} finished; earlier: " + "; ".join(f"attempt {a.number}: {a.why}" for a in attempts[:-1]))
+            return 0
+        if not retry:
+            _say(f"attempt {number}/{total} failed and is not retried: {why}")
+            return result.exit_code
+        if number < total:
+            _say(f"attempt {number}/{total} failed: {why}; restarting")
+    assert result is not None
+    _say(budget_message(attempts, max_restarts))
+    return result.exit_code
