@@ -147,13 +147,17 @@ def prepare_dialed(
     cwd: str,
     python: str,
     node_of: Callable[[str], str | None],
+    ranks_from_gpus: bool = False,
 ) -> tuple[Any, list[Any]]:
     """Run `command(dial_target)` (argv; `dial_target` is `HOSTS:PORT`) with `env` plus the dial
     variables, wait for every node's agent, run the preflight, return the plan with the master
     the ranks will use and one runner per node. `node_of(dial_node)` maps an agent's `node` to
-    its host name in the plan (None: not one of ours). Nothing starts before every node passed;
+    its host name in the plan (None: not one of ours). Without `--device`, the device is each
+    node's own (`launch/node_devices.py`; `ranks_from_gpus`: a GPU node runs a rank per GPU).
+    Nothing starts before every node passed;
     a failure stops the command and raises LaunchError naming the nodes."""
     from zerorun._version import __version__
+    from zerorun.launch.node_devices import adopt_node_devices
     from zerorun.launch.remote import check_devices, ssh_options_from
     from zerorun.launch.ssh import join_errors
 
@@ -235,7 +239,12 @@ def prepare_dialed(
         if errors:
             raise LaunchError(join_errors("The preflight", errors) + " Nothing was started.")
         master = hellos[names[0]]
-        check_devices(plan, hellos, auto=getattr(options, "device", None) in (None, "auto"))
+        auto = getattr(options, "device", None) in (None, "auto")
+        if auto:
+            plan = adopt_node_devices(
+                plan, {h: int(v.get("gpus") or 0) for h, v in hellos.items()}, ranks_from_gpus=ranks_from_gpus
+            )
+        check_devices(plan, hellos, auto=auto)
         addr = options.master_addr or master.get("server_addr") or names[0]
         plan = replace(plan.with_master(addr, int(master["port"])), cwd=cwd)
         ssh = ssh_options_from(options)

@@ -12,9 +12,14 @@ __all__ = ["format_dry_run"]
 
 
 def format_dry_run(plan: LaunchPlan) -> str:
+    device = (
+        "device per node, probed at start (--device or --num_gpus fixes it)"
+        if plan.device_per_node
+        else f"device {plan.device}, backend {plan.backend}"
+    )
     lines = [
         f"zerorun dry run {plan.run_id}: {plan.world_size} rank(s), {len(plan.nodes)} node(s), "
-        f"device {plan.device}, backend {plan.backend}, master {plan.master_addr}:{plan.master_port}",
+        f"{device}, master {plan.master_addr}:{plan.master_port}",
         # Script arguments may carry a secret that is also in the environment (--hf_token $HF_TOKEN).
         f"command: {scrub(shlex.join(plan.rank_argv(plan.ranks[0], 'python')), os.environ)}",
     ]

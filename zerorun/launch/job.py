@@ -202,6 +202,8 @@ def plan_job(options: LaunchOptions) -> PlannedJob:
         node_env=node_env,
         local_rank_arg=local_rank_arg(options),
     )
+    if multinode and options.device is None and options.num_gpus is None and any(not n.is_local for n in plan.nodes):
+        plan = replace(plan, device_per_node=True)  # each node's preflight decides (launch/node_devices.py)
     rank_filter = plan_mod.parse_rank_filter(options.ranks, plan.world_size)
     if loaded is not None:
         # The batch triad against the real world size: a mismatch stops the job here, with

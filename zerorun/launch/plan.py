@@ -195,6 +195,9 @@ class LaunchPlan:
     local_rank_arg: str | None = None
     # `import deepspeed` in the ranks is zerorun's compatibility layer (ZERORUN_DEEPSPEED_COMPAT).
     deepspeed_compat: bool = False
+    # The device is each node's own, decided at start from what its preflight reports
+    # (launch/node_devices.py); `device` is then the launcher machine's guess (`--dry-run` says so).
+    device_per_node: bool = False
     # Fault tolerance (Contract 2): the directory whose `latest` the ranks load
     # (ZERORUN_RESUME_FROM), and SIGTERM = save and exit (ZERORUN_SAVE_ON_PREEMPTION).
     resume_from: str | None = None

@@ -320,7 +320,12 @@ def prepare(plan: Any, options: Any, *, ssh: SshOptions | None = None) -> tuple[
         local_port_check=_local_port_problem,
     )
     try:
-        check_devices(plan, pf.hellos, auto=getattr(options, "device", None) in (None, "auto"))
+        auto = getattr(options, "device", None) in (None, "auto")
+        if auto:  # the device each node has, not the launcher's (launch/node_devices.py)
+            from zerorun.launch.node_devices import adopt_node_devices
+
+            plan = adopt_node_devices(plan, {h: int(v.get("gpus") or 0) for h, v in pf.hellos.items()})
+        check_devices(plan, pf.hellos, auto=auto)
         plan = plan.with_master(pf.master_addr, pf.master_port)
         plan = _with_cwd(plan, pf.cwd)
         runners: list[Any] = []

@@ -88,6 +88,8 @@ def prepare(
         cwd=cwd,
         python=python,
         node_of=lambda node: node if node in names else None,
+        # Ranks per node: --num_gpus if given, else the node's GPUs, else SLURM_TASKS_PER_NODE.
+        ranks_from_gpus=options.num_gpus is None,
     )
 
 
