@@ -334,14 +334,14 @@ def test_notices_for_keys_zerorun_does_not_act_on():
         {
             "prescale_gradients": True,
             "wall_clock_breakdown": False,  # a default: nothing to say
-            "flops_profiler": {"enabled": True},
+            "comms_logger": {"enabled": True},
             "tensorboard": {"enabled": False, "output_path": "x"},  # disabled: nothing lost
             "zero_optimization": {"stage": 2, "round_robin_gradients": True},
         }
     )
     text = "\n".join(loaded.notices)
     assert "prescale_gradients = true" in text
-    assert "flops_profiler" in text
+    assert "comms_logger" in text
     assert "zero_optimization.round_robin_gradients" in text
     assert "wall_clock_breakdown" not in text and "tensorboard" not in text
     assert loaded.warnings == []

@@ -14,6 +14,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "estimate": ("zerorun.cli.estimate_cmd", "Estimate per-GPU / per-host memory of model states."),
     "env": ("zerorun.cli.env_cmd", "Report versions, GPUs and environment for bug reports."),
     "consolidate": ("zerorun.cli.consolidate_cmd", "Build a full state dict from a sharded checkpoint."),
+    "sbatch": ("zerorun.cli.sbatch_cmd", "Write and submit a Slurm batch script running the same zerorun command."),
+    "plot": ("zerorun.cli.plot_cmd", "Plot a run's loss, lr, throughput and memory as a PNG."),
 }
 # DeepSpeed users type underscores.
 ALIASES = {"print_config": "print-config"}

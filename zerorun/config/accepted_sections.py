@@ -1,4 +1,4 @@
-"""DeepSpeed sections zerorun accepts but does not act on (profilers, monitors, compression, ...).
+"""DeepSpeed sections zerorun accepts but does not act on (communication logger, compression, ...).
 
 Real configs carry these; rejecting them would break a user's existing file, and ignoring them
 silently would hide that a feature is missing. They are validated (so typos are still caught
@@ -16,13 +16,7 @@ from zerorun.config.types import Count, Flag, Real, field
 from zerorun.config.zero_section import Section
 
 __all__ = [
-    "FlopsProfiler",
-    "ActivationCheckpointing",
     "Aio",
-    "Tensorboard",
-    "Wandb",
-    "CsvMonitor",
-    "Comet",
     "CommsLogger",
     "Checkpoint",
     "DataTypes",
@@ -52,25 +46,6 @@ FREE_FORM_SECTIONS: dict[str, str] = {
 }
 
 
-class FlopsProfiler(Section):
-    enabled: Flag = field(False, "Run DeepSpeed's flops profiler.")
-    recompute_fwd_factor: Real = field(0.0, "Share of the forward pass recomputed (activation checkpointing).")
-    profile_step: Count = field(1, "Step at which to profile.")
-    module_depth: int = field(-1, "Module depth of the aggregated report (-1: all).")
-    top_modules: Count = field(1, "Number of top modules in the report.")
-    detailed: Flag = field(True, "Print the detailed profile.")
-    output_file: str | None = field(None, "File for the report (stdout when null).")
-
-
-class ActivationCheckpointing(Section):
-    partition_activations: Flag = field(False, "Partition checkpointed activations across model-parallel ranks.")
-    cpu_checkpointing: Flag = field(False, "Offload checkpointed activations to the CPU.")
-    contiguous_memory_optimization: Flag = field(False, "Copy checkpoints into one contiguous buffer.")
-    number_checkpoints: Count | None = field(None, "Number of checkpoints for the contiguous buffer.")
-    synchronize_checkpoint_boundary: Flag = field(False, "Synchronize the device at checkpoint boundaries.")
-    profile: Flag = field(False, "Time each checkpointed function.")
-
-
 class Aio(Section):
     block_size: Count = field(1_048_576, "I/O block size in bytes.")
     queue_depth: Count = field(8, "I/O queue depth.")
@@ -79,35 +54,6 @@ class Aio(Section):
     single_submit: Flag = field(False, "Submit requests one by one instead of in blocks.")
     overlap_events: Flag = field(True, "Submit requests without waiting for earlier ones.")
     use_gds: Flag = field(False, "Use NVIDIA GPUDirect Storage.")
-
-
-class Tensorboard(Section):
-    enabled: Flag = field(False, "Log to TensorBoard.")
-    output_path: str | None = field(None, "Directory of the logs.")
-    job_name: str = field("DeepSpeedJobName", "Sub-directory name of this job.")
-
-
-class CsvMonitor(Tensorboard):
-    pass
-
-
-class Wandb(Section):
-    enabled: Flag = field(False, "Log to Weights & Biases.")
-    group: str | None = field(None, "W&B group.")
-    team: str | None = field(None, "W&B team.")
-    project: str = field("deepspeed", "W&B project.")
-
-
-class Comet(Section):
-    enabled: Flag = field(False, "Log to Comet.")
-    workspace: str | None = field(None, "Comet workspace.")
-    project: str | None = field(None, "Comet project.")
-    samples_log_interval: Count = field(100, "Samples between submissions.")
-    experiment_name: str | None = field(None, "Experiment name.")
-    api_key: str | None = field(None, "Comet API key (better kept out of config files).")
-    experiment_key: str | None = field(None, "Experiment key.")
-    online: Flag | None = field(None, "Log online (true) or offline.")
-    mode: str | None = field(None, "get, create or get_or_create.")
 
 
 class CommsLogger(Section):

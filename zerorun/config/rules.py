@@ -15,6 +15,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from zerorun.config.jsonc import Path_
+from zerorun.config.observe_sections import observe_rules
 from zerorun.config.reader import RawConfig, dotted
 from zerorun.config.runtime_support import (
     DEEPSPEED_ADAM_EXTRAS,
@@ -345,7 +346,7 @@ def check_rules(raw: RawConfig, config: ZerorunConfig) -> tuple[list[str], list[
     """-> (errors, warnings, notices) of the rules between keys."""
     errors: list[str] = []
     warnings: list[str] = []
-    for rule in (_precision_rules, _offload_rules, _launcher_rules):
+    for rule in (_precision_rules, _offload_rules, _launcher_rules, observe_rules):
         e, w = rule(raw, config)
         errors += e
         warnings += w

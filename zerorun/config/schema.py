@@ -14,20 +14,22 @@ from pydantic import field_validator
 
 from zerorun.config.accepted_sections import (
     FREE_FORM_SECTIONS,
-    ActivationCheckpointing,
     Aio,
     Checkpoint,
-    Comet,
     CommsLogger,
-    CsvMonitor,
     DataTypes,
     Eigenvalue,
-    FlopsProfiler,
     ProgressiveLayerDrop,
+)
+from zerorun.config.launcher_section import LauncherSection
+from zerorun.config.observe_sections import (
+    ActivationCheckpointing,
+    Comet,
+    CsvMonitor,
+    FlopsProfiler,
     Tensorboard,
     Wandb,
 )
-from zerorun.config.launcher_section import LauncherSection
 from zerorun.config.training_sections import Amp, Bf16, Fp16, OptimizerSection, SchedulerSection
 from zerorun.config.types import Auto, Count, Flag, NonNegReal, PositiveCount, Real, field, plain_numbers
 from zerorun.config.zero_section import Section, ZeroOptimization
@@ -85,8 +87,17 @@ class ZerorunConfig(Section):
     )
 
     # -- logging
-    steps_per_print: Count = field(10, "Print a progress line every N optimizer steps.", ge=1)
-    wall_clock_breakdown: Flag = field(False, "Time forward/backward/step separately.", acted_on=False)
+    steps_per_print: Count = field(
+        10,
+        "Every N optimizer steps rank 0 prints step, lr, loss, loss scale, grad norm, samples/s and tokens/s "
+        "(and every rank reports them to the launcher's live panel); the only host sync of the reports.",
+        ge=1,
+    )
+    wall_clock_breakdown: Flag = field(
+        False,
+        "Time forward, backward (autograd and the communication it did not hide) and optimizer step with CUDA "
+        "events; reported every `steps_per_print` steps (stdout, live panel per rank, monitors).",
+    )
     memory_breakdown: Flag = field(False, "Print memory use at points of the step.", acted_on=False)
     dump_state: Flag = field(False, "Print the engine's state after initialisation.", acted_on=False)
 
@@ -104,16 +115,19 @@ class ZerorunConfig(Section):
     dataloader_drop_last: Flag = field(False, "Drop the last incomplete batch of the data loader zerorun.initialize builds.")
     vocabulary_size: Count | None = field(None, "Vocabulary size (used by some DeepSpeed features).", acted_on=False)
 
-    # -- DeepSpeed features zerorun accepts but does not implement
-    flops_profiler: FlopsProfiler = field(default_factory=FlopsProfiler, description="DeepSpeed's flops profiler.", acted_on=False)
+    # -- seeing the run, activation memory (observe_sections.py; docs/observability.md)
+    flops_profiler: FlopsProfiler = field(default_factory=FlopsProfiler, description="DeepSpeed's flops profiler (zerorun.runtime.observe.flops).")
     activation_checkpointing: ActivationCheckpointing = field(
-        default_factory=ActivationCheckpointing, description="DeepSpeed's activation checkpointing.", acted_on=False
+        default_factory=ActivationCheckpointing,
+        description="How `zerorun.checkpointing.checkpoint` (DeepSpeed's `deepspeed.checkpointing`) keeps checkpointed activations.",
     )
+    tensorboard: Tensorboard = field(default_factory=Tensorboard, description="TensorBoard monitor (rank 0, DeepSpeed's tag names).")
+    wandb: Wandb = field(default_factory=Wandb, description="Weights & Biases monitor (rank 0, DeepSpeed's tag names).")
+    csv_monitor: CsvMonitor = field(default_factory=CsvMonitor, description="CSV monitor (rank 0, DeepSpeed's file layout).")
+    comet: Comet = field(default_factory=Comet, description="Comet monitor (rank 0, DeepSpeed's tag names).")
+
+    # -- DeepSpeed features zerorun accepts but does not implement
     aio: Aio = field(default_factory=Aio, description="Linux AIO settings for NVMe offload.", acted_on=False)
-    tensorboard: Tensorboard = field(default_factory=Tensorboard, description="TensorBoard monitor.", acted_on=False)
-    wandb: Wandb = field(default_factory=Wandb, description="Weights & Biases monitor.", acted_on=False)
-    csv_monitor: CsvMonitor = field(default_factory=CsvMonitor, description="CSV monitor.", acted_on=False)
-    comet: Comet = field(default_factory=Comet, description="Comet monitor.", acted_on=False)
     comms_logger: CommsLogger = field(default_factory=CommsLogger, description="Communication logger.", acted_on=False)
     checkpoint: Checkpoint = field(default_factory=Checkpoint, description="DeepSpeed checkpoint options.", acted_on=False)
     data_types: DataTypes = field(default_factory=DataTypes, description="Gradient accumulation dtype.", acted_on=False)

@@ -103,6 +103,9 @@ def _step_cell(s: RankState) -> str:
         parts.append(f"step {s.status['step']}")
     if isinstance(s.status.get("loss"), (int, float)):
         parts.append(f"loss {s.status['loss']:.4g}")
+    timers = s.status.get("timers_ms")  # wall_clock_breakdown: this rank's own, so a straggler shows
+    if isinstance(timers, dict) and all(isinstance(timers.get(k), (int, float)) for k in ("fwd", "bwd", "step")):
+        parts.append(f"fwd/bwd/step {timers['fwd']:.0f}/{timers['bwd']:.0f}/{timers['step']:.0f} ms")
     return " ".join(parts) or "-"
 
 

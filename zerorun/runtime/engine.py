@@ -16,7 +16,6 @@ differs between stages; this file does not branch on the stage.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -25,8 +24,10 @@ from torch import nn
 from torch.optim import Optimizer
 
 from zerorun.errors import RuntimeConfigError
+from zerorun.runtime.activations import configure_from_options as configure_activation_checkpointing
 from zerorun.runtime.collectives import Communicator
 from zerorun.runtime.memory import MemoryLedger
+from zerorun.runtime.observe import StepReporter
 from zerorun.runtime.precision import LossScaler
 from zerorun.runtime.settings import RuntimeSettings
 
@@ -80,7 +81,6 @@ class Engine:
         self.skipped_steps = 0
         self._grad_norm: torch.Tensor | None = None
         self._last_loss: torch.Tensor | None = None
-        self._last_status = time.monotonic()
         self._step_applied = False
         self._backward_since_step = False
         self._compute_dtype = settings.precision.policy.param_dtype
@@ -93,6 +93,19 @@ class Engine:
         events = _events()
         if events is not None and hasattr(events, "set_memory_provider"):
             events.set_memory_provider(self.memory_summary)
+        # steps_per_print, wall_clock_breakdown, monitors, flops_profiler (runtime/observe;
+        # docs/observability.md): the reporter's hooks below are the only ones in this file.
+        self.reporter = StepReporter(
+            settings.observe,
+            rank=comm.rank,
+            world_size=comm.world_size,
+            device=device,
+            fp16=settings.precision.fp16,
+            module=module,
+            compute_dtype=settings.precision.policy.param_dtype,
+            micro_batch=settings.batch.micro_batch,
+        )
+        configure_activation_checkpointing(settings.activation)  # unless the script called configure()
         self._expect_backward()
 
     # -- forward ------------------------------------------------------------------------------
@@ -105,7 +118,9 @@ class Engine:
             # compute dtype is what every mixed-precision script does anyway.
             args = _cast_inputs(args, self._compute_dtype)
             kwargs = _cast_inputs(kwargs, self._compute_dtype)
-        return self.module(*args, **kwargs)
+        self.reporter.on_forward(args, kwargs)
+        with self.reporter.phase("fwd"):
+            return self.module(*args, **kwargs)
 
     # -- backward -----------------------------------------------------------------------------
     def backward(
@@ -127,9 +142,14 @@ class Engine:
         # scale_wrt_gas=False: the script already divided by the accumulation steps (DeepSpeed's flag).
         factor = self.loss_scaler.scale / (self._accum if scale_wrt_gas else 1)
         scaled = loss * factor if factor != 1.0 else loss
-        scaled.backward(retain_graph=retain_graph)
-        self.stage.end_backward()
+        phase = self.reporter.phase
+        with phase("bwd"):
+            with phase("bwd_inner"):
+                scaled.backward(retain_graph=retain_graph)
+            with phase("bwd_allreduce"):  # the collectives the backward did not hide
+                self.stage.end_backward()
         self._last_loss = loss.detach()
+        self.reporter.on_backward(self._last_loss)
         return loss
 
     # -- step ---------------------------------------------------------------------------------
@@ -143,9 +163,12 @@ class Engine:
         self._backward_since_step = False
         boundary = self.is_gradient_accumulation_boundary()
         if boundary:
-            self._take_model_step()
+            with self.reporter.phase("step"):
+                self._take_model_step()
         self.micro_steps += 1
         self.global_samples += self.settings.batch.micro_batch * self.comm.world_size
+        if boundary:
+            self._report_step()
         self._expect_backward()
         if boundary and self.checkpointing is not None:
             self.checkpointing.after_step()  # periodic save; a preemption saves and exits
@@ -179,7 +202,6 @@ class Engine:
         self.loss_scaler.update(overflow)
         self.stage.zero_grad()
         self.global_steps += 1
-        self._report_status()
 
     def _global_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
         """L2 norm over all ranks' shards; each element is owned by one rank (or, at stage 0, held
@@ -206,19 +228,19 @@ class Engine:
         elif scale != 1.0:
             torch._foreach_mul_(grads, 1.0 / scale)
 
-    def _report_status(self) -> None:
-        """A status event for the launcher's live table: every ``steps_per_print`` steps and at
-        most once a second otherwise. Reading the loss is a host sync, so never more often."""
-        now = time.monotonic()
-        if self.global_steps % self.settings.logging.steps_per_print != 0 and now - self._last_status < 1.0:
-            return
-        events = _events()
-        if events is None or not hasattr(events, "emit") or not events.connected():
-            return
-        self._last_status = now
-        loss = float(self._last_loss.float().item()) if self._last_loss is not None else None
-        lrs = self.get_lr()
-        events.emit("status", step=self.global_steps, loss=loss, lr=lrs[0] if lrs else None)
+    def _report_step(self) -> None:
+        """Record this optimizer step for the reports (runtime/observe: no host sync except
+        every ``steps_per_print`` steps)."""
+        groups = self.optimizer.param_groups
+        self.reporter.after_step(
+            step=self.global_steps,
+            samples=self.global_samples,
+            skipped=self.skipped_steps,
+            lrs=[float(g["lr"]) for g in groups],
+            moms=[g["betas"] if "betas" in g else g.get("momentum") for g in groups],
+            loss_scale=self.loss_scaler.scale,
+            grad_norm=self._grad_norm,
+        )
 
     # -- the rest of DeepSpeed's engine surface -----------------------------------------------
     def zero_grad(self) -> None:
@@ -374,6 +396,7 @@ class Engine:
 
     def destroy(self) -> None:
         """Remove the hooks this engine installed (tests build many engines in one process)."""
+        self.reporter.close()
         if self.checkpointing is not None:
             self.checkpointing.close()  # an asynchronous save in flight is committed first
         reducer = getattr(self.stage, "reducer", None)

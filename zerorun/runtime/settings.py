@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from zerorun.errors import RuntimeConfigError
+from zerorun.runtime.activations.options import ActivationOptions
+from zerorun.runtime.observe.options import ObserveOptions
 from zerorun.runtime.precision import LossScaler, MixedPrecisionPolicy
 
 if TYPE_CHECKING:
@@ -175,6 +177,8 @@ class RuntimeSettings:
     stage3: Stage3Settings
     checkpoint: CheckpointSettings
     logging: LoggingSettings
+    observe: ObserveOptions  # steps_per_print, wall_clock_breakdown, monitors, flops_profiler
+    activation: ActivationOptions  # activation_checkpointing (zerorun.checkpointing)
 
     # -- the flat names of before the option objects; kept for readers outside runtime/ -----
     @property
@@ -335,4 +339,6 @@ def settings_from_config(
             gather_16bit_weights_on_model_save=zero.stage3_gather_16bit_weights_on_model_save,
         ),
         logging=LoggingSettings(steps_per_print=cfg.steps_per_print),
+        observe=ObserveOptions.from_config(cfg),
+        activation=ActivationOptions.from_config(cfg),
     )

@@ -1,0 +1,47 @@
+"""Pieces of runtime/observe that need no ranks: timers, token counting, the CSV layout."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from zerorun.runtime.observe import MonitorOptions, PhaseTimers, count_tokens
+from zerorun.runtime.observe.monitors import CsvMonitor
+
+
+def test_cpu_timers_sum_each_phase_per_step() -> None:
+    t = PhaseTimers(torch.device("cpu"))
+    for _ in range(2):  # two micro-steps in one optimizer step
+        with t.phase("fwd"):
+            time.sleep(0.01)
+    t.end_step()
+    with t.phase("step"):
+        time.sleep(0.02)
+    t.end_step()
+    steps = t.collect()
+    assert len(steps) == 2 and t.collect() == []
+    assert 19 <= steps[0]["fwd"] < 60 and steps[0]["step"] == 0
+    assert 19 <= steps[1]["step"] < 60 and steps[1]["fwd"] == 0
+
+
+def test_count_tokens() -> None:
+    ids = torch.zeros(4, 16, dtype=torch.long)
+    assert count_tokens((ids,), {}) == 64
+    assert count_tokens((), {"input_ids": ids}) == 64
+    assert count_tokens(({"input_ids": ids},), {}) == 64
+    assert count_tokens((torch.zeros(4, 16),), {}) == 0  # features, not token ids
+    assert count_tokens((torch.zeros(4, dtype=torch.long),), {}) == 0  # labels of a 1-D batch
+
+
+def test_csv_monitor_layout(tmp_path: Path) -> None:
+    opts = MonitorOptions(backend="csv_monitor", output_path=str(tmp_path), job_name="run", params={})
+    m = CsvMonitor(opts)
+    m.write_events([("Train/Samples/train_loss", 2.5, 8), ("Train/Samples/lr", 0.1, 8)])
+    m.write_events([("Train/Samples/train_loss", 2.25, 16)])
+    text = (tmp_path / "run" / "Train_Samples_train_loss.csv").read_text().splitlines()
+    assert text == ["step,train_loss", "8,2.5", "16,2.25"]
+    # a second monitor (a restarted job) appends without a second header
+    CsvMonitor(opts).write_events([("Train/Samples/train_loss", 2.0, 24)])
+    assert (tmp_path / "run" / "Train_Samples_train_loss.csv").read_text().splitlines()[-2:] == ["16,2.25", "24,2.0"]
