@@ -93,14 +93,17 @@ def test_salloc_and_sbatch_train_like_ssh(cluster, slurm, reference, tmp_path: P
         assert f"[node{rank // 2 + 1}:{rank}] INFO rank={rank} world=4" in re.sub(r"\] +", "] ", out), out
     assert "unnamed_secret=absent" in out  # a secret-looking variable nobody named stays home, as over SSH
 
-    # From an sbatch script, with --num_gpus instead of the allocation's task count.
-    script = tmp_path / "job.sh"
+    # From a batch script written and submitted by `zerorun sbatch`, with --num_gpus instead of
+    # the allocation's task count.
     log = tmp_path / "job.out"
-    script.write_text(f"#!/bin/sh\nexec {sys.executable} -m zerorun --num_gpus 2 {' '.join(args)}\n")
-    proc = subprocess.run(["sbatch", "--wait", "-N2", f"--output={log}", str(script)],
-                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "zerorun", "sbatch", "-N", "2", "--output", str(log), "--sbatch_args", "--wait",
+         "--num_gpus", "2", *args],
+        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120,
+    )
     out = log.read_text() if log.exists() else ""
     assert proc.returncode == 0, proc.stdout + proc.stderr + out
+    assert "zerorun: submitted batch job" in proc.stdout
     assert zsteps(out) == reference, out
     assert not wait_clean(slurm.nodes, 10)
 
