@@ -91,7 +91,7 @@ class Probe:
     def refresh(self) -> None:
         now = time.monotonic()
         if self.all_running_at is None and now >= self._next_check:
-            self._next_check = now + 0.01
+            self._next_check = now + 0.05  # a scan of every rank's state: not every turn
             if all(s.state != "starting" for s in self.states):
                 self.all_running_at = now
         self.inner.refresh()

@@ -30,6 +30,7 @@ agent -> launcher:
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import Any
 
 __all__ = ["PROTOCOL_VERSION", "encode", "decode", "plan_to_dict", "plan_from_dict"]
@@ -88,10 +89,8 @@ _skeleton: tuple[Any, dict[str, Any]] | None = None
 def _data(obj: Any) -> Any:
     """`dataclasses.asdict` without its deep copies (read-only data about to become JSON):
     ~10x faster, which counts once per node of a 1,000-node job."""
-    import dataclasses
-
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return {f.name: _data(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if hasattr(obj, "__dataclass_fields__") and not isinstance(obj, type):
+        return {name: _data(getattr(obj, name)) for name in obj.__dataclass_fields__}
     if isinstance(obj, (list, tuple)):
         return [_data(v) for v in obj]
     if isinstance(obj, dict) or hasattr(obj, "items"):
@@ -118,9 +117,35 @@ def plan_from_dict(data: dict[str, Any]) -> Any:
         visible = tuple(n["visible_devices"]) if n.get("visible_devices") is not None else None
         nodes.append(build(NodePlan, n, host=host, ranks=ranks, visible_devices=visible, env=dict(n.get("env", {}))))
     total = int(data.get("num_nodes") or len(nodes))
-    if total > len(nodes):  # a one-node plan: the other nodes as empty placeholders
-        own = {n.node_rank: n for n in nodes}
-        nodes = [own.get(i) or NodePlan(i, Host(f"node-{i}", ()), (), None, {}) for i in range(total)]
+    if total > len(nodes):  # a one-node plan: the other nodes are empty placeholders
+        nodes = _NodeList(total, {n.node_rank: n for n in nodes})
     target = build(Target, data["target"], args=tuple(data["target"].get("args", ())))
     omp = {int(k): int(v) for k, v in data.get("omp_threads", {}).items()}
-    return build(LaunchPlan, data, nodes=tuple(nodes), target=target, omp_threads=omp)
+    return build(LaunchPlan, data, nodes=nodes if isinstance(nodes, _NodeList) else tuple(nodes),
+                 target=target, omp_threads=omp)
+
+
+class _NodeList(Sequence[Any]):
+    """The nodes of a one-node plan: this node, and placeholders (no ranks) made only when
+    looked at -- an agent of a 1,000-node job needs `len()` and its own entry."""
+
+    def __init__(self, total: int, own: dict[int, Any]) -> None:
+        self._total = total
+        self._own = own
+
+    def __len__(self) -> int:
+        return self._total
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return tuple(self[j] for j in range(*i.indices(self._total)))
+        if i < 0:
+            i += self._total
+        if not 0 <= i < self._total:
+            raise IndexError(i)
+        if i not in self._own:
+            from zerorun.launch.hosts import Host
+            from zerorun.launch.plan import NodePlan
+
+            return NodePlan(i, Host("other-node", ()), (), None)
+        return self._own[i]
