@@ -128,6 +128,36 @@ def test_restart_budget_exhausted_names_every_attempt(tmp_path: Path) -> None:
     assert len(runs) == 2  # a new run id per attempt
 
 
+def _wait_for(path_lines: list[tuple[Path, str]], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if all(p.exists() and text in p.read_text() for p, text in path_lines):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {path_lines}")
+
+
+def test_launcher_sigterm_with_save_on_preemption_waits_for_the_save(tmp_path: Path) -> None:
+    """The launcher's side alone: SIGTERM goes to the ranks (not their process groups), which
+    report `preempted` and exit 75; the launcher exits 75 and says which checkpoint."""
+    logs = tmp_path / "logs"
+    launch = start(
+        ["--num_gpus", "2", "--save_on_preemption", "--log_dir", str(logs), str(RESTART_JOB)], env={"RJ_MODE": "preempt"}
+    )
+    try:
+        _wait_for([(logs / "rank0.log", "ready"), (logs / "rank1.log", "ready")], 60)
+        os.kill(launch.proc.pid, signal.SIGTERM)
+        code, _out, err = launch.finish(60)
+    finally:
+        kill_tagged(launch.tag)
+    assert code == PREEMPTED_EXIT_CODE, err
+    assert "--save_on_preemption" in err and "25 s before SIGKILL" in err
+    assert "preempted; checkpoint global_step3 saved in /ckpt" in err
+    summary = json.loads((logs / "summary.json").read_text())
+    assert summary["reason"] == "preempted" and summary["exit_code"] == PREEMPTED_EXIT_CODE
+    assert [r["returncode"] for r in summary["ranks"]] == [PREEMPTED_EXIT_CODE] * 2
+
+
 # --- real training jobs: kill -9 + restart + auto-resume, preemption ----------------------
 
 
@@ -217,8 +247,9 @@ def test_sigterm_with_save_on_preemption_saves_exits_75_and_resumes(tmp_path: Pa
             time.sleep(0.1)
         else:
             raise AssertionError("the job did not reach step 2")
-        # Like Slurm's scancel or a Kubernetes eviction: SIGTERM to the launcher, which forwards it.
-        os.kill(launch.proc.pid, signal.SIGTERM)
+        # Like Slurm signalling the processes of a step: SIGTERM to one rank only. The ranks
+        # agree at a step boundary that one of them was signalled, and all save that step.
+        os.kill(int((out / "pid_rank1").read_text()), signal.SIGTERM)
         code, _stdout, err = launch.finish(120)
     finally:
         kill_tagged(launch.tag)
@@ -227,6 +258,7 @@ def test_sigterm_with_save_on_preemption_saves_exits_75_and_resumes(tmp_path: Pa
     step = int(saved.removeprefix("global_step"))
     assert 2 <= step < STEPS
     assert f"preempted; checkpoint {saved} saved" in err
+    assert "rank 1 got SIGTERM" in err
     summary = json.loads((logs / "summary.json").read_text())
     assert summary["reason"] == "preempted" and summary["exit_code"] == PREEMPTED_EXIT_CODE
     assert not (out / "final").exists()

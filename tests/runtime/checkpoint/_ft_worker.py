@@ -3,7 +3,7 @@ tests/launch/test_restart.py): trains a small model with the engine's own data l
 the checkpoint behaviour of the config in FT_CONFIG (JSON), and a script that knows nothing
 about resuming -- zerorun.initialize does that.
 
-FT_OUT: a directory; each rank appends one line per optimizer step to losses_rank{R}.jsonl
+FT_OUT: a directory; each rank writes its pid to pid_rank{R} and appends one line per optimizer step to losses_rank{R}.jsonl
 ({"step", "loss", "resumed_from"}), and at the end every rank joins a final save to
 FT_OUT/final (the fp32 masters the tests compare).
 FT_STEPS: optimizer steps to train.
@@ -47,6 +47,7 @@ def main() -> None:
     data = torch.utils.data.TensorDataset(torch.randn(SAMPLES, D_IN, generator=g), torch.randn(SAMPLES, D_OUT, generator=g))
     engine, _opt, loader, _sched = zerorun.initialize(model=model, training_data=data, config=cfg)
     rank = engine.global_rank
+    (out / f"pid_rank{rank}").write_text(str(os.getpid()))
     log = open(out / f"losses_rank{rank}.jsonl", "a")  # noqa: SIM115 - closed at exit
     resumed = engine.resumed_from
     while engine.global_steps < steps:
