@@ -59,3 +59,15 @@ def test_mpirun_command() -> None:
     assert argv[-8:] == ["--mca", "btl", "self,tcp", "/py", "-u", "-m", "zerorun.launch.agent", "--dial"]
     with pytest.raises(LaunchError, match="--mpi_args"):
         mpirun_command(["n"], python="p", cwd="/", mpi_args="'")
+
+
+def test_salloc_command() -> None:
+    from zerorun.launch.slurm import salloc_command
+
+    inner = ["/py", "-m", "zerorun", "--launcher", "slurm", "--num_nodes", "4", "train.py"]
+    assert salloc_command(num_nodes=4, gpus_per_node=8, slurm_args="-p gpu -t 1:00:00", inner=inner) == [
+        "salloc", "--nodes=4", "--gpus-per-node=8", "--ntasks-per-node=8", "-p", "gpu", "-t", "1:00:00", *inner,
+    ]
+    assert salloc_command(num_nodes=2, gpus_per_node=None, slurm_args=None, inner=["x"]) == ["salloc", "--nodes=2", "x"]
+    with pytest.raises(LaunchError, match="--num_nodes N"):
+        salloc_command(num_nodes=None, gpus_per_node=None, slurm_args=None, inner=["x"])

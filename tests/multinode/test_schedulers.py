@@ -119,8 +119,18 @@ def _running_job(cluster, slurm, tmp_path: Path, alloc_env: dict[str, str], **mn
 
 
 def test_stop_paths(cluster, slurm, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    """scancel, SIGTERM to zerorun, a failing rank on node 2: stopped within 10 s everywhere."""
+    """From a login node zerorun obtains the allocation itself; scancel, SIGTERM to zerorun, a
+    failing rank on node 2: stopped within 10 s everywhere."""
     env = slurm.env(launcher_env(cluster))
+    # From the "login node" (no allocation): --launcher slurm --num_nodes 2 obtains one with salloc.
+    code, out = run_launcher(["--launcher", "slurm", "--num_nodes", "2", "--num_gpus", "1", "--device", "cpu",
+                              str(SCRIPT.with_name("hello.py")), "x y"], env=env, cwd=tmp_path, timeout=60)
+    assert code == 0, out
+    assert "outside an allocation, obtaining one: salloc --nodes=2" in out, out
+    assert "zerorun: launcher slurm: --launcher slurm" in out, out
+    for rank, node in ((0, "node1"), (1, "node2")):
+        assert f"HELLO rank={rank} node_rank={rank} host={node} argv=['x y']" in out, out
+
     # An allocation that stays while the tests start jobs in it from this shell.
     alloc = subprocess.Popen(["salloc", "-N2", "--ntasks-per-node=2", "--no-shell"],
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)

@@ -12,6 +12,7 @@ No torch at module level: `zerorun --help` must start fast.
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any, Optional
@@ -131,6 +132,10 @@ def launch(
     slurm_args: Optional[str] = typer.Option(  # noqa: UP045
         None, "--slurm-args", metavar="ARGS", help="Extra srun options for --launcher slurm, e.g. '--partition gpu --time 1:00:00'."
     ),
+    gpus_per_node: Optional[int] = typer.Option(  # noqa: UP045
+        None, "--gpus-per-node", metavar="N", min=1,
+        help="--launcher slurm from a login node: GPUs per node of the allocation salloc obtains (with --num_nodes).",
+    ),
     mpi_args: Optional[str] = typer.Option(  # noqa: UP045
         None, "--mpi-args", metavar="ARGS", help="Extra mpirun options for --launcher mpi, e.g. '--mca btl_tcp_if_include eth0'."
     ),
@@ -149,6 +154,12 @@ def launch(
     ),
     preemption_grace: Optional[float] = typer.Option(  # noqa: UP045
         None, "--preemption-grace", metavar="SECONDS", min=1, help="Seconds ranks get to save after SIGTERM (default 25)."
+    ),
+    exclude_failed_nodes: bool = typer.Option(
+        False, "--exclude-failed-nodes", help="With --max_restarts and a hostfile: leave a lost or signal-killed node out of the next attempt."
+    ),
+    min_nodes: Optional[int] = typer.Option(  # noqa: UP045
+        None, "--min-nodes", metavar="N", min=1, help="With --exclude_failed_nodes: stop restarting below N nodes (default 1)."
     ),
     version: bool = typer.Option(False, "--version", is_eager=True, callback=_version, help="Show the version."),
 ) -> None:
@@ -205,7 +216,10 @@ def launch(
         resume_from=resume_from,
         save_on_preemption=True if save_on_preemption else None,
         preemption_grace=preemption_grace,
+        exclude_failed_nodes=True if exclude_failed_nodes else None,
+        min_nodes=min_nodes,
         mpi_args=mpi_args,
+        gpus_per_node=gpus_per_node,
     )
     code = _run(options)
     raise typer.Exit(code)
@@ -288,6 +302,8 @@ def _run(options: LaunchOptions) -> int:
     from zerorun.launch.job import plan_job
 
     try:
+        if options.launcher == "slurm" and not os.environ.get("SLURM_JOB_ID"):
+            return _in_new_allocation(options)
         if options.dry_run:
             from zerorun.launch.dry_run import format_dry_run
 
@@ -300,3 +316,31 @@ def _run(options: LaunchOptions) -> int:
         # Ctrl-C before the supervisor took over signals: nothing was started yet.
         sys.stderr.write("zerorun: interrupted before the job started\n")
         return 130
+
+
+def _in_new_allocation(options: LaunchOptions) -> int:
+    """`--launcher slurm` on a login node: salloc obtains the allocation and runs this same
+    command inside it (where the slurm launcher starts the nodes). exec: salloc owns the
+    terminal's signals from here on, as when the user types it."""
+    import shlex
+
+    from zerorun.launch.slurm import salloc_command
+
+    argv = salloc_command(
+        num_nodes=options.num_nodes,
+        gpus_per_node=options.gpus_per_node,
+        slurm_args=options.slurm_args,
+        inner=[sys.executable, "-m", "zerorun", *sys.argv[1:]],
+    )
+    sys.stderr.write(f"zerorun: launcher slurm: outside an allocation, obtaining one: {shlex.join(argv)}\n")
+    if options.dry_run:
+        return 0
+    sys.stderr.flush()
+    sys.stdout.flush()
+    try:
+        os.execvp(argv[0], argv)
+    except OSError as err:
+        from zerorun.errors import LaunchError
+
+        raise LaunchError(f"cannot run salloc ({err.strerror or err}): --launcher slurm outside an allocation needs Slurm's client tools.") from None
+    return 0  # not reached

@@ -106,6 +106,7 @@ class LaunchOptions:
     rdzv_port: int | None = None
     rdzv_timeout: float | None = None
     slurm_args: str | None = None
+    gpus_per_node: int | None = None  # --launcher slurm outside an allocation: salloc --gpus-per-node
     mpi_args: str | None = None
     # fault tolerance (docs/fault-tolerance.md; launch/restart.py). None: not given.
     max_restarts: int | None = None  # attempts after the first (0: none)
@@ -113,13 +114,15 @@ class LaunchOptions:
     resume_from: str | None = None  # the ranks load `latest` of this directory (ZERORUN_RESUME_FROM)
     save_on_preemption: bool | None = None  # SIGTERM: ranks save at the next step and exit 75
     preemption_grace: float | None = None  # seconds the ranks get for that (default 25)
+    exclude_failed_nodes: bool | None = None  # leave lost / signal-killed nodes out of the next attempt
+    min_nodes: int | None = None  # ... as long as this many remain (default 1)
 
     # Fields the config's `launcher:` section may fill when the command line left them out.
     MERGEABLE = (
         "num_gpus", "num_nodes", "hostfile", "include", "exclude", "master_addr", "master_port",
         "device", "ranks_per_gpu", "pg_timeout", "hang_timeout", "log_dir", "deepspeed_compat",
         "launcher", "rdzv_timeout", "max_restarts", "restart_on_any_failure", "resume_from",
-        "save_on_preemption", "preemption_grace",
+        "save_on_preemption", "preemption_grace", "exclude_failed_nodes", "min_nodes",
     )
 
     def merged(self, section: Mapping[str, object], *, base_dir: Path | None = None) -> LaunchOptions:

@@ -63,7 +63,8 @@ def choose_launcher(
         if want == "slurm" and not slurm.in_allocation:
             raise LaunchError(
                 "--launcher slurm runs inside a Slurm allocation (SLURM_JOB_ID is not set here): start "
-                "it from `salloc -N<nodes>` or a batch script (`zerorun sbatch ...` writes one)."
+                "it from `salloc -N<nodes>` or a batch script (`zerorun sbatch ...` writes one); the zerorun "
+                "command obtains one itself with --num_nodes N."
             )
         if want == "local" and (nnodes not in (None, 1) or hostfile is not None):
             raise LaunchError("--launcher local runs on this machine only; leave out --hostfile/--nnodes.")

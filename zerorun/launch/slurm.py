@@ -25,7 +25,7 @@ from typing import Any
 from zerorun.errors import LaunchError
 from zerorun.launch.slurm_env import SlurmEnv, compress_hostlist
 
-__all__ = ["srun_command", "prepare", "allocation_hosts"]
+__all__ = ["srun_command", "salloc_command", "prepare", "allocation_hosts"]
 
 
 def srun_command(
@@ -111,3 +111,24 @@ def allocation_hosts(slurm: SlurmEnv, *, num_gpus: int | None, k: int = 1) -> li
             slots = 1
         hosts.append(Host(name, tuple(range(slots)), origin=f"Slurm job {slurm.job_id}"))
     return hosts
+
+
+def salloc_command(
+    *, num_nodes: int | None, gpus_per_node: int | None, slurm_args: str | None, inner: Sequence[str]
+) -> list[str]:
+    """`--launcher slurm` outside an allocation (a login node): salloc obtains one and runs the
+    same zerorun command inside it. `--slurm_args` (partition, time, account) go to salloc too."""
+    if num_nodes is None:
+        raise LaunchError(
+            "--launcher slurm outside an allocation obtains one with salloc: say how many nodes with "
+            "--num_nodes N (and --gpus_per_node G), or run inside salloc/sbatch (`zerorun sbatch ...`)."
+        )
+    argv = ["salloc", f"--nodes={num_nodes}"]
+    if gpus_per_node is not None:
+        argv += [f"--gpus-per-node={gpus_per_node}", f"--ntasks-per-node={gpus_per_node}"]
+    if slurm_args:
+        try:
+            argv += shlex.split(slurm_args)
+        except ValueError as err:
+            raise LaunchError(f"--slurm_args {slurm_args!r}: {err}.") from None
+    return [*argv, *inner]
