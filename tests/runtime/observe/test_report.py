@@ -10,6 +10,7 @@ from __future__ import annotations
 import csv
 import json
 import re
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -37,13 +38,19 @@ def job(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "wall_clock_breakdown": True,
         "csv_monitor": {"enabled": True, "output_path": str(tmp / "csv"), "job_name": "job"},
         "tensorboard": {"enabled": True, "output_path": str(tmp / "tb"), "job_name": "job"},
+        "wandb": {"enabled": True, "project": "zr-test", "group": "g"},
     }
     cfg_path = tmp / "ds.json"
     cfg_path.write_text(json.dumps(config))
     log_dir = tmp / "logs"
     code, out, err, _ = _launch.run(
         ["--num_gpus", "2", "--device", "cpu", "--config", str(cfg_path), "--log_dir", str(log_dir), str(JOB), str(STEPS)],
-        env={"ZERORUN_MEMORY_REPORT_INTERVAL": "0.5"},  # memory events with the breakdown, for the plot
+        env={
+            "ZERORUN_MEMORY_REPORT_INTERVAL": "0.5",  # memory events with the breakdown, for the plot
+            "WANDB_MODE": "offline",
+            "WANDB_SILENT": "true",
+            "WANDB_DIR": str(tmp),
+        },
         timeout=120,
     )
     assert code == 0, out[-3000:] + err[-3000:]
@@ -116,7 +123,7 @@ def test_csv_monitor_has_every_step_with_deepspeed_names(job: dict[str, Any]) ->
 
 
 def test_tensorboard_scalars(job: dict[str, Any]) -> None:
-    event_acc = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    from tensorboard.backend.event_processing import event_accumulator as event_acc
     acc = event_acc.EventAccumulator(str(job["tmp"] / "tb" / "job"))
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
@@ -124,6 +131,44 @@ def test_tensorboard_scalars(job: dict[str, Any]) -> None:
     loss = acc.Scalars("Train/Samples/train_loss")
     assert [e.step for e in loss] == [t["samples"] for t in job["truth"]]
     assert [e.value for e in loss] == pytest.approx([t["loss"] for t in job["truth"]], rel=1e-5)
+
+
+def _wandb_history(run_file: Path) -> list[dict[str, float]]:
+    """The `history` records of an offline W&B run file (a LevelDB-style log of protobuf
+    records after a 7-byte header; 32 KiB blocks, 7-byte record headers)."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data, pos, block, chunks, buf = run_file.read_bytes(), 7, 32768, [], b""
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:
+            pos += block - pos % block
+            continue
+        _crc, n, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        pos += 7
+        if kind == 0 and n == 0:
+            break
+        buf += data[pos : pos + n]
+        pos += n
+        if kind in (1, 4):  # FULL, LAST
+            chunks.append(buf)
+            buf = b""
+    out = []
+    for chunk in chunks:
+        rec = pb.Record()
+        rec.ParseFromString(chunk)
+        if rec.WhichOneof("record_type") == "history":
+            items = {i.key or "/".join(i.nested_key): i.value_json for i in rec.history.item}
+            out.append({k: float(v) for k, v in items.items() if k.startswith("Train/")} | {"_step": rec.history.step.num})
+    return out
+
+
+def test_wandb_offline_run_has_every_step(job: dict[str, Any]) -> None:
+    files = list((job["tmp"] / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(files) == 1, files  # rank 0 only
+    history = _wandb_history(files[0])
+    assert [h["_step"] for h in history] == [t["samples"] for t in job["truth"]]
+    assert [h["Train/Samples/train_loss"] for h in history] == pytest.approx([t["loss"] for t in job["truth"]], rel=1e-5)
+    assert [h["Train/Samples/lr"] for h in history] == pytest.approx([t["lr"] for t in job["truth"]], rel=1e-6)
 
 
 def test_zerorun_plot_reads_the_log_dir_and_the_csv_monitor(job: dict[str, Any], tmp_path: Path) -> None:
