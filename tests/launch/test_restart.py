@@ -12,13 +12,21 @@ import os
 import signal
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from _launch import REPO, SCRIPTS, kill_tagged, run, start, wait_until_gone
 
-from zerorun.launch.plan import RankSpec
-from zerorun.launch.restart import Attempt, budget_message, classify
+from zerorun.launch.plan import LaunchOptions, RankSpec, Target
+from zerorun.launch.restart import (
+    Attempt,
+    budget_message,
+    classify,
+    failed_nodes,
+    run_with_restarts,
+    without_nodes,
+)
 from zerorun.launch.result import PREEMPTED_EXIT_CODE, JobResult, RankState
 
 sys.path.insert(0, str(REPO / "tests"))
@@ -84,6 +92,54 @@ def test_budget_message_names_every_attempt() -> None:
     text = budget_message(attempts, 1)
     assert "restart budget of 1 exhausted" in text
     assert "attempt 1: rank 2 was killed (signal 9)" in text and "attempt 2: hang: no progress" in text
+
+
+def _on_hosts(reason: str, code: int, states: list[tuple[str, str, int | None]]) -> JobResult:
+    ranks = []
+    for r, (host, state, rc) in enumerate(states):
+        st = RankState(RankSpec(r, 0, r, host, None))
+        st.state, st.returncode = state, rc  # type: ignore[assignment]
+        ranks.append(st)
+    first = next((r for r, (_, state, _) in enumerate(states) if state == "failed"), None)
+    return JobResult(exit_code=code, reason=reason, ranks=ranks, wall_s=1.0, first_failure=first, message="x")  # type: ignore[arg-type]
+
+
+def test_failed_nodes_and_the_selection_without_them() -> None:
+    lost = _on_hosts("node_lost", 255, [("n1", "stopped", -15), ("n2", "lost", None)])
+    killed = _on_hosts("rank_failed", 137, [("n1", "failed", -9), ("n2", "stopped", -15)])
+    raised = _on_hosts("rank_failed", 1, [("n1", "failed", 1), ("n2", "stopped", -15)])
+    assert failed_nodes(lost) == ["n2"] and failed_nodes(killed) == ["n1"] and failed_nodes(raised) == []
+    base = LaunchOptions(target=Target(script="t.py"), hostfile="hosts")
+    assert without_nodes(base, ["n2"]).exclude == "n2"
+    assert without_nodes(replace(base, exclude="n3"), ["n2"]).exclude == "n3@n2"
+    assert without_nodes(replace(base, include="n1:0,1@n2@n3"), ["n2"]).include == "n1:0,1@n3"
+
+
+def test_restart_loop_leaves_failed_nodes_out_until_min_nodes(tmp_path: Path) -> None:
+    """The loop alone, with a stand-in for run_job: attempt 1 loses n2, attempt 2 runs without
+    it and loses n1; with --min_nodes 1 the loop stops there (no node would be left)."""
+    seen: list[LaunchOptions] = []
+    results = [
+        _on_hosts("node_lost", 255, [("n1", "stopped", -15), ("n2", "lost", None), ("n3", "stopped", -15)]),
+        _on_hosts("rank_failed", 137, [("n1", "failed", -9), ("n3", "stopped", -15)]),
+        _on_hosts("rank_failed", 137, [("n3", "failed", -9)]),
+    ]
+
+    def fake_run_job(options: LaunchOptions) -> JobResult:
+        seen.append(options)
+        return results[len(seen) - 1]
+
+    opts = LaunchOptions(
+        target=Target(script="t.py"), hostfile="hosts", max_restarts=5, exclude_failed_nodes=True, min_nodes=1,
+        log_dir=str(tmp_path),
+    )
+    code = run_with_restarts(opts, run_job=fake_run_job, port_is_free=lambda _p: True)
+    assert code == 137
+    assert [o.exclude for o in seen] == [None, "n2", "n2@n1"]
+    assert [o.log_dir for o in seen] == [str(tmp_path / f"attempt{k}") for k in (1, 2, 3)]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert [a["retryable"] for a in summary["attempts"]] == [True, True, False]
+    assert "leaving out n3 (0 node(s) left), fewer than --min_nodes 1" in summary["attempts"][-1]["why"]
 
 
 def test_preempted_exit_code_is_the_runtimes() -> None:

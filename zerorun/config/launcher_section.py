@@ -71,6 +71,10 @@ class LauncherSection(Section):
     preemption_grace: Real | None = field(
         None, "Seconds the ranks get to save after SIGTERM with `save_on_preemption` (default 25).", gt=0
     )
+    exclude_failed_nodes: bool | None = field(
+        None, "With `max_restarts` and a hostfile: a node lost, or whose ranks died of a signal, is left out of the next attempt."
+    )
+    min_nodes: Count | None = field(None, "With `exclude_failed_nodes`: no restart with fewer nodes than this (default 1).", ge=1)
 
     @field_validator("env")
     @classmethod

@@ -15,6 +15,13 @@ config error that would fail again; ``--restart_on_any_failure`` retries it anyw
 interrupted by Ctrl-C, and a preemption (exit 75: the next submission resumes). Every other
 failure is retried.
 
+With ``--exclude_failed_nodes`` (a hostfile job), a node that was lost or whose ranks died of a
+signal is left out of the next attempt (an `--include` selector loses it, an `--exclude` gains
+it; with `--num_nodes` a spare host of the hostfile takes its place), as long as
+``--min_nodes`` (default 1) remain. The ranks resume at the smaller world size (checkpoints
+load at any world size; the batch triad is resolved again: a `train_batch_size` that does not
+divide is an error before anything starts).
+
 With N > 0 and ``--log_dir DIR``: attempt k writes its files to ``DIR/attempt{k}/`` and
 ``DIR/summary.json`` lists every attempt (exit code, reason, classification) and the final
 exit code -- the last attempt's.
@@ -29,10 +36,19 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from zerorun.errors import LaunchError, ZerorunError
 from zerorun.launch.plan import LaunchOptions
 from zerorun.launch.result import PREEMPTED_EXIT_CODE, JobResult, describe_exit, where
 
-__all__ = ["Attempt", "classify", "run_with_restarts", "budget_message", "with_config_section"]
+__all__ = [
+    "Attempt",
+    "classify",
+    "run_with_restarts",
+    "budget_message",
+    "with_config_section",
+    "failed_nodes",
+    "without_nodes",
+]
 
 # Exception texts of a failed collective or a peer that went away: the failure is elsewhere
 # (a rank that died, a flaky link), so another attempt may succeed.
@@ -138,7 +154,7 @@ def _say(text: str) -> None:
     sys.stderr.flush()
 
 
-_FAULT_KEYS = ("max_restarts", "restart_on_any_failure", "log_dir")
+_FAULT_KEYS = ("max_restarts", "restart_on_any_failure", "log_dir", "exclude_failed_nodes", "min_nodes")
 
 
 def with_config_section(options: LaunchOptions) -> LaunchOptions:
@@ -159,6 +175,28 @@ def with_config_section(options: LaunchOptions) -> LaunchOptions:
     return options.merged(subset, base_dir=Path(path).resolve().parent)
 
 
+def failed_nodes(result: JobResult) -> list[str]:
+    """Hosts an attempt lost: nodes lost (connection or agent gone) and nodes whose ranks died of
+    a signal -- not ranks the launcher stopped, nor Python exceptions (a bad node does not
+    raise). In node order."""
+    hosts: list[str] = []
+    for s in result.ranks:
+        dead = s.state == "lost" or (s.state == "failed" and s.returncode is not None and s.returncode < 0)
+        if dead and s.spec.host not in hosts:
+            hosts.append(s.spec.host)
+    return hosts
+
+
+def without_nodes(options: LaunchOptions, hosts: list[str]) -> LaunchOptions:
+    """`options` selecting the same hosts minus `hosts` (DeepSpeed's selector syntax: an
+    `--include` loses their entries, otherwise they join `--exclude`)."""
+    if options.include:
+        keep = [part for part in options.include.split("@") if part and part.split(":")[0] not in hosts]
+        return replace(options, include="@".join(keep))
+    parts = [part for part in (options.exclude or "").split("@") if part]
+    return replace(options, exclude="@".join(parts + [h for h in hosts if h not in parts]))
+
+
 def run_with_restarts(
     options: LaunchOptions,
     *,
@@ -177,22 +215,39 @@ def run_with_restarts(
 
         port_is_free = port_is_free_default
     max_restarts = options.max_restarts or 0
+    if options.exclude_failed_nodes and options.hostfile is None:
+        raise LaunchError("--exclude_failed_nodes needs --hostfile (it leaves failed nodes of the hostfile out of the next attempt).")
     if max_restarts <= 0:
         return run_job(options).exit_code
     total = max_restarts + 1
     root = Path(options.log_dir) if options.log_dir is not None else None
     attempts: list[Attempt] = []
     result: JobResult | None = None
+    current = options
     for number in range(1, total + 1):
-        attempt_opts = replace(options, run_id=None)
+        attempt_opts = replace(current, run_id=None)
         if root is not None:
             attempt_opts = replace(attempt_opts, log_dir=str(root / f"attempt{number}"))
         if number > 1 and options.master_port is not None and options.hostfile is None and not port_is_free(options.master_port):
             _say(f"--master_port {options.master_port} is still held; attempt {number} uses a free port")
             attempt_opts = replace(attempt_opts, master_port=None)
         _say(f"attempt {number}/{total}" + (" (restart)" if number > 1 else ""))
-        result = run_job(attempt_opts)
+        try:
+            result = run_job(attempt_opts)
+        except ZerorunError as err:  # this attempt could not start (e.g. too few nodes left)
+            if root is not None and attempts:
+                attempts.append(Attempt(number, -1, "not_started", str(err), False, f"could not start: {err}", attempt_opts.log_dir))
+                _write_summary(root, attempts, max_restarts, attempts[-2].exit_code)
+            raise
         retry, why = classify(result, restart_on_any_failure=bool(options.restart_on_any_failure))
+        lost = failed_nodes(result) if retry and options.exclude_failed_nodes else []
+        if lost:
+            nodes = len({s.spec.host for s in result.ranks})
+            left = nodes - len(lost)
+            why += f"; leaving out {', '.join(lost)} ({left} node(s) left)"
+            if left < (options.min_nodes or 1):
+                retry = False
+                why += f", fewer than --min_nodes {options.min_nodes or 1}"
         attempts.append(
             Attempt(number, result.exit_code, result.reason, result.message, retry, why, attempt_opts.log_dir)
         )
@@ -207,6 +262,8 @@ def run_with_restarts(
             return result.exit_code
         if number < total:
             _say(f"attempt {number}/{total} failed: {why}; restarting")
+            if lost:
+                current = without_nodes(current, lost)
     assert result is not None
     _say(budget_message(attempts, max_restarts))
     return result.exit_code
