@@ -38,7 +38,7 @@ def main() -> None:
     for _ in range(steps):
         losses = []
         for _ in range(accum):
-            ids = torch.randint(0, 50, (micro, 12), generator=gen)
+            ids = torch.randint(0, 50, (micro, 12), generator=gen).to(engine.device)
             logits = engine(ids)
             loss = nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 50), ids[:, 1:].reshape(-1))
             engine.backward(loss)

@@ -2,13 +2,16 @@
 
 One 2-rank CPU job (stage 2, accumulation 2, 5 optimizer steps, a report every 2) serves every
 assertion: the DeepSpeed-style stdout lines, the `status` events in the launcher's events file,
-the CSV and TensorBoard files -- each compared with what the training script itself computed.
+the CSV, TensorBoard and W&B files -- each compared with what the training script itself
+computed. ZERORUN_TEST_DEVICE=cuda (scripts/gpu_checks.sh) runs the two ranks on one GPU, so the
+timers are CUDA events.
 """
 
 from __future__ import annotations
 
 import csv
 import json
+import os
 import re
 import struct
 import subprocess
@@ -43,8 +46,10 @@ def job(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     cfg_path = tmp / "ds.json"
     cfg_path.write_text(json.dumps(config))
     log_dir = tmp / "logs"
+    device = os.environ.get("ZERORUN_TEST_DEVICE", "cpu")
+    placement = ["--device", device] + (["--ranks_per_gpu", "2"] if device == "cuda" else [])
     code, out, err, _ = _launch.run(
-        ["--num_gpus", "2", "--device", "cpu", "--config", str(cfg_path), "--log_dir", str(log_dir), str(JOB), str(STEPS)],
+        ["--num_gpus", "2", *placement, "--config", str(cfg_path), "--log_dir", str(log_dir), str(JOB), str(STEPS)],
         env={
             "ZERORUN_MEMORY_REPORT_INTERVAL": "0.5",  # memory events with the breakdown, for the plot
             "WANDB_MODE": "offline",
