@@ -51,7 +51,9 @@ def crashed_then_resumed(tmp_path_factory: pytest.TempPathFactory) -> dict:
     kept = out / "after_crash"  # run 2's saves replace these (keep_last 1)
     shutil.copytree(ckpt, kept)
     after_crash = {"dir": kept, "entries": sorted(p.name for p in ckpt.iterdir()), "losses": _losses(out)}
-    second = run_ranks([WORKER], 2, deadline_s=150, extra_env=env)
+    # Run 2 ends with dist.destroy_process_group() right after its last step, whose
+    # asynchronous save is then still writing (no final save, no engine.destroy()).
+    second = run_ranks([WORKER], 2, deadline_s=150, extra_env={**env, "FT_NO_FINAL": "1"})
     return {"out": out, "ckpt": ckpt, "first": first, "second": second, "after_crash": after_crash}
 
 
@@ -96,6 +98,7 @@ def test_auto_resume_continues_with_identical_losses(crashed_then_resumed: dict)
     again = [e for e in resumed if e["step"] in before]
     assert again and all(e["loss"] == before[e["step"]] for e in again)
     ckpt = crashed_then_resumed["ckpt"]
+    # destroy_process_group waited for the save of step 8 to commit
     assert (ckpt / "latest").read_text() == "global_step8"
     assert sorted(p.name for p in ckpt.iterdir()) == ["global_step8", "latest"]
     assert not os.path.exists(ckpt / ".tmp-global_step6")

@@ -18,14 +18,20 @@ A save is cut in two:
 
 A failure in the background (disk full, a rank that died) is raised on the training thread
 by the next `save` or `wait`.
+
+`torch.distributed.destroy_process_group()` destroys the writer's group too, so a script that
+calls it right after its last step would lose a save still in flight: while an `AsyncSaver`
+exists, that function first waits for the savers' writes (`_wait_before_destroy`).
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
@@ -91,6 +97,32 @@ class SnapshotView:
         raise AssertionError("a snapshot is only saved")
 
 
+_SAVERS: weakref.WeakSet[AsyncSaver] = weakref.WeakSet()
+
+
+def _wait_before_destroy() -> None:
+    """Make `torch.distributed.destroy_process_group` wait for asynchronous saves in flight
+    (once per process). Scripts call it as `dist.destroy_process_group()`, which looks the
+    attribute up at call time."""
+    import torch.distributed as dist
+
+    original = dist.destroy_process_group
+    if getattr(original, "_zerorun_waits_for_saves", False):
+        return
+
+    @functools.wraps(original)
+    def destroy_process_group(*args: Any, **kwargs: Any) -> Any:
+        for saver in list(_SAVERS):
+            try:
+                saver.wait()
+            except Exception:  # noqa: BLE001 - already logged by the writer; tearing down goes on
+                pass
+        return original(*args, **kwargs)
+
+    destroy_process_group._zerorun_waits_for_saves = True  # type: ignore[attr-defined]
+    dist.destroy_process_group = destroy_process_group
+
+
 class AsyncSaver:
     """One rank's asynchronous saves. `save` from the training thread; `wait` before anything
     else touches the checkpoint directory (a synchronous save, a load, the end of training)."""
@@ -105,6 +137,8 @@ class AsyncSaver:
         self.last_write_s = 0.0  # the background write (and commit) of the last save
         self.last_snapshot_bytes = 0
         self.saves = 0
+        _SAVERS.add(self)
+        _wait_before_destroy()
 
     @property
     def in_flight(self) -> bool:
