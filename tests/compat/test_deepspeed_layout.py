@@ -1,0 +1,129 @@
+"""DeepSpeed's checkpoint files beside zerorun's under --deepspeed-compat
+(runtime/checkpoint/deepspeed_layout.py): 2 real ranks save at stages 0, 1 (bf16) and 3 (fp16)
+through the layer (_layout_worker.py). The files carry DeepSpeed's names and keys; rebuilt the
+way DeepSpeed's zero_to_fp32.py rebuilds them (below: concatenated partitions at stages 1-2, one
+slice per parameter and rank at stage 3) they give exactly zerorun's consolidation; the
+``zero_to_fp32.py`` copied into the save directory runs; and zerorun still loads its own files
+from there at another world size. DeepSpeed's own script is run on the same cases by
+scripts/deepspeed_layout_check.py (its result: benchmarks/results/deepspeed_layout_check.json)."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from zerorun.runtime.checkpoint import get_fp32_state_dict
+
+from ._run import PYTHON, env, launch
+
+CASES = ["s0-fp32", "s1-bf16", "s3-fp16"]
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("layout")
+    launch(["--num_gpus", "2", "--device", "cpu", "tests/compat/_layout_worker.py", str(out), *CASES], timeout=240)
+    launch(["--num_gpus", "1", "--device", "cpu", "tests/compat/_layout_worker.py", str(out), "load", "s3-fp16"], timeout=240)
+    return out
+
+
+def _load(path: Path) -> dict:
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def _rebuild(tag_dir: Path) -> dict[str, torch.Tensor]:
+    """DeepSpeed's zero_to_fp32 reconstruction (deepspeed/utils/zero_to_fp32.py), condensed."""
+    optim = sorted(tag_dir.glob("*_optim_states.pt"), key=lambda p: int(p.name.split("rank_")[1].split("_")[0]))
+    states = [_load(p)["optimizer_state_dict"] for p in optim]
+    stage, world = states[0]["zero_stage"], states[0]["partition_count"]
+    world = max(world) if isinstance(world, list) else world
+    assert world == len(optim)
+    model_files = sorted(tag_dir.glob("*_model_states.pt"))
+    model = _load(model_files[0])
+    sd = {k: v.float() for k, v in model["module"].items() if k in model["buffer_names"]}
+    if stage <= 2:
+        sd.update(model["frozen_param_fragments"] or {})
+        flat = torch.cat([s["single_partition_of_fp32_groups"][0] for s in states])
+        offset = 0
+        for name, shape in model["param_shapes"][0].items():
+            sd[name] = flat.narrow(0, offset, shape.numel()).view(shape)
+            offset += shape.numel()
+        align = 2 * world
+        assert math.ceil(offset / align) * align == math.ceil(flat.numel() / align) * align
+    else:
+        ranks = [_load(p) for p in sorted(model_files)]
+        for name, shape in (model["frozen_param_shapes"] or {}).items():
+            sd[name] = torch.cat([m["frozen_param_fragments"][name] for m in ranks]).narrow(0, 0, shape.numel()).view(shape)
+        flats = [s["fp32_flat_groups"][0] for s in states]
+        offset = 0
+        for name, shape in model["param_shapes"][0].items():
+            chunk = math.ceil(shape.numel() / world)
+            sd[name] = torch.cat([f[offset : offset + chunk] for f in flats])[: shape.numel()].view(shape)
+            offset += chunk
+        assert offset * world == flats[0].numel() * world
+    for alias, name in model["shared_params"].items():
+        sd[alias] = sd[name]
+    return sd
+
+
+def test_files_have_deepspeeds_names(saved: Path) -> None:
+    files = {case: sorted(p.name for p in (saved / case / "global_step3").iterdir() if not p.name.startswith(("shard_", "rng_"))) for case in CASES}
+    zerorun_own = ["engine_state.pt", "zerorun_checkpoint.json"]
+    assert files["s0-fp32"] == sorted(["mp_rank_00_model_states.pt", *zerorun_own])
+    assert files["s1-bf16"] == sorted([
+        "mp_rank_00_model_states.pt", "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt",
+        "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt", *zerorun_own,
+    ])
+    assert files["s3-fp16"] == sorted([
+        "zero_pp_rank_0_mp_rank_00_model_states.pt", "zero_pp_rank_1_mp_rank_00_model_states.pt",
+        "zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt", *zerorun_own,
+    ])
+    for case in CASES:
+        assert (saved / case / "latest").read_text().strip() == "global_step3"
+        assert (saved / case / "zero_to_fp32.py").is_file()
+
+
+@pytest.mark.parametrize("case", ["s1-bf16", "s3-fp16"])
+def test_deepspeed_reconstruction_equals_zeroruns_consolidation(saved: Path, case: str) -> None:
+    want = get_fp32_state_dict(saved / case)
+    got = _rebuild(saved / case / "global_step3")
+    assert sorted(got) == sorted(want)  # tied alias, frozen parameter, persistent buffer
+    for name, value in want.items():
+        assert got[name].dtype == torch.float32
+        assert torch.equal(got[name], value.reshape(got[name].shape)), name
+
+
+def test_module_in_model_states_is_the_16bit_state_dict(saved: Path) -> None:
+    model = _load(saved / "s1-bf16" / "global_step3" / "mp_rank_00_model_states.pt")
+    want = get_fp32_state_dict(saved / "s1-bf16")
+    module = model["module"]
+    assert sorted(module) == sorted(want) and "scratch" not in module  # not the non-persistent buffer
+    # The engine casts the whole module (buffers too) to bf16, as DeepSpeed does.
+    assert module["body.0.weight"].dtype == torch.bfloat16 and module["scale"].dtype == torch.bfloat16
+    for name, value in want.items():
+        assert torch.equal(module[name].float(), value.to(module[name].dtype).float().reshape(module[name].shape)), name
+    assert model["buffer_names"] == ["scale"] and model["shared_params"] == {"head.weight": "emb.weight"}
+    assert model["global_steps"] == 3 and model["dp_world_size"] == 2 and model["ds_config"]["zero_optimization"]["stage"] == 1
+
+
+def test_copied_recovery_script_consolidates(saved: Path, tmp_path: Path) -> None:
+    script = saved / "s3-fp16" / "zero_to_fp32.py"
+    proc = subprocess.run([PYTHON, str(script), str(saved / "s3-fp16"), str(tmp_path / "out")],
+                          cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    got = torch.load(tmp_path / "out" / "pytorch_model.bin")
+    want = get_fp32_state_dict(saved / "s3-fp16")
+    for name in got:
+        assert torch.equal(got[name].reshape(-1), want[name].reshape(-1)), name
+
+
+def test_zerorun_loads_its_own_files_there_at_another_world_size(saved: Path) -> None:
+    loaded = torch.load(saved / "s3-fp16-loaded.pt")  # saved by 2 ranks at stage 3, loaded by 1 at stage 2
+    want = get_fp32_state_dict(saved / "s3-fp16")
+    for name, value in loaded.items():
+        assert torch.equal(value.float().reshape(-1), want[name].float().reshape(-1)), name
+
