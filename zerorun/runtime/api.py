@@ -27,10 +27,11 @@ from zerorun.runtime import optimizer as opt_lib
 from zerorun.runtime.collectives import Communicator
 from zerorun.runtime.distributed import DistContext, init_distributed
 from zerorun.runtime.engine import Engine
-from zerorun.runtime.flat_params import collect_trainable
+from zerorun.runtime.flat_params import TrainableParam, collect_trainable
 from zerorun.runtime.scheduler import build_scheduler
 from zerorun.runtime.settings import RuntimeSettings, settings_from_config
 from zerorun.runtime.sharded_state import DevicePlacement, ShardPlacement
+from zerorun.runtime.stage_protocol import Stage
 
 if TYPE_CHECKING:
     from zerorun.config.schema import ZerorunConfig
@@ -73,24 +74,19 @@ def choose_placement(settings: RuntimeSettings, device: torch.device) -> ShardPl
     """Where master shards and optimizer states live. Offload is offload.py's business."""
     if not settings.offload.enabled:
         return DevicePlacement(device)
-    try:
-        from zerorun.runtime import offload
-    except ImportError:
-        raise RuntimeConfigError(
-            "zero_optimization.offload_optimizer/offload_param is set but this zerorun build has no "
-            "offload support yet: set device: none"
-        ) from None
+    from zerorun.runtime import offload
+
     return offload.placement_for(settings, device)
 
 
 def build_stage(
     settings: RuntimeSettings,
     module: nn.Module,
-    trainable: list[Any],
+    trainable: list[TrainableParam],
     comm: Communicator,
     device: torch.device,
     placement: ShardPlacement,
-) -> Any:
+) -> Stage:
     if settings.stage in (0, 1, 2):
         from zerorun.runtime.stages import build_flat_stage
 
@@ -110,12 +106,8 @@ def build_stage(
             placement=placement,
         )
     if settings.stage == 3:
-        try:
-            from zerorun.runtime.stage3 import build_stage3
-        except ImportError:
-            raise RuntimeConfigError(
-                "zero_optimization.stage 3 is not available in this zerorun build yet: use stage 0, 1 or 2"
-            ) from None
+        from zerorun.runtime.stage3 import build_stage3
+
         return build_stage3(settings, module, trainable, comm=comm, device=device, placement=placement)
     raise RuntimeConfigError(f"zero_optimization.stage must be 0, 1, 2 or 3 (you have {settings.stage})")
 

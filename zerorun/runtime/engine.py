@@ -10,19 +10,21 @@ One training step, as a script drives it (DeepSpeed's shape):
 At the boundary, ``step`` does, in this order: global gradient norm (one small all-reduce at
 stages 1+; the fp16 overflow flag comes with it), skip on overflow (fp16) or unscale + clip in
 one multiply, optimizer step on this rank's shards, write-back of the updated parameters,
-scheduler step, zero the gradients. The stage object (stages.py, stage3.py) does everything that
-differs between stages; this file does not branch on the stage.
+scheduler step, zero the gradients. The stage (``Stage``, runtime/stage_protocol.py; stages.py for
+0-2, runtime/stage3/ for 3) does everything that differs between stages; this file does not
+branch on the stage.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from zerorun.channel import events
 from zerorun.errors import RuntimeConfigError
 from zerorun.runtime.activations import configure_from_options as configure_activation_checkpointing
 from zerorun.runtime.collectives import Communicator
@@ -30,6 +32,7 @@ from zerorun.runtime.memory import MemoryLedger
 from zerorun.runtime.observe import StepReporter
 from zerorun.runtime.precision import LossScaler
 from zerorun.runtime.settings import RuntimeSettings
+from zerorun.runtime.stage_protocol import Stage
 
 __all__ = ["Engine"]
 
@@ -45,20 +48,12 @@ def _cast_inputs(value: Any, dtype: torch.dtype) -> Any:
     return value
 
 
-def _events() -> Any:
-    try:
-        from zerorun.channel import events
-    except ImportError:  # the launcher's module is optional for the runtime
-        return None
-    return events
-
-
 class Engine:
     def __init__(
         self,
         *,
         module: nn.Module,
-        stage: Any,
+        stage: Stage,
         settings: RuntimeSettings,
         comm: Communicator,
         optimizer: Optimizer,
@@ -90,9 +85,7 @@ class Engine:
         self.resumed_from: str | None = None
         self.resumed_client_state: dict[str, Any] = {}
         self.training_dataloader: Any = None  # the loader initialize built from training_data
-        events = _events()
-        if events is not None and hasattr(events, "set_memory_provider"):
-            events.set_memory_provider(self.memory_summary)
+        events.set_memory_provider(self.memory_summary)
         # steps_per_print, wall_clock_breakdown, monitors, flops_profiler (runtime/observe;
         # docs/observability.md): the reporter's hooks below are the only ones in this file.
         self.reporter = StepReporter(
@@ -327,9 +320,7 @@ class Engine:
     def memory_summary(self) -> dict[str, dict[str, int]]:
         """Bytes the runtime holds, by device and category (memory.py)."""
         ledger = MemoryLedger()
-        placement = getattr(self.stage.state, "placement", None)
-        if placement is not None:
-            placement.add_memory(ledger)  # offload: host buffers, bytes on NVMe
+        self.stage.state.placement.add_memory(ledger)  # offload: host buffers, bytes on NVMe
         parts: dict[str, list[torch.Tensor]] = self.stage.memory_tensors()
         ledger.add("params", parts.get("params", []))
         ledger.add("params", (p for p in self.module.parameters() if not p.requires_grad))
@@ -337,13 +328,8 @@ class Engine:
         for category in ("master", "grads", "optimizer_states"):
             ledger.add(category, parts.get(category, []))
         ledger.add("module_buffers", self.module.buffers())
-        for device, nbytes in self._buffer_bytes().items():
-            ledger.add_bytes("buffers", device, nbytes)
+        ledger.add_bytes("buffers", str(self.device), self.stage.buffer_peak_bytes())
         return ledger.summary()
-
-    def _buffer_bytes(self) -> dict[str, int]:
-        peak: Callable[[], int] | None = getattr(self.stage, "buffer_peak_bytes", None)
-        return {str(self.device): int(peak())} if peak is not None else {}
 
     # -- checkpoints: all in runtime/checkpoint/ (docs/checkpoints.md); collective calls -------
     def save_checkpoint(
@@ -399,12 +385,6 @@ class Engine:
         self.reporter.close()
         if self.checkpointing is not None:
             self.checkpointing.close()  # an asynchronous save in flight is committed first
-        reducer = getattr(self.stage, "reducer", None)
-        if reducer is not None:
-            reducer.remove_hooks()
-        placement = getattr(self.stage.state, "placement", None)
-        if placement is not None:
-            placement.close()
-        events = _events()
-        if events is not None and hasattr(events, "set_memory_provider"):
-            events.set_memory_provider(None)
+        self.stage.remove_hooks()
+        self.stage.state.placement.close()
+        events.set_memory_provider(None)

@@ -17,12 +17,15 @@ provides placements for pinned CPU memory / NVMe; nothing else here knows about 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.optim import Optimizer
 
 from zerorun.runtime.partition import FlatLayout
+
+if TYPE_CHECKING:
+    from zerorun.runtime.stage3.store import ParamShardStore
 
 __all__ = ["ShardPlacement", "DevicePlacement", "ShardedOptimizerState"]
 
@@ -41,6 +44,9 @@ class ShardPlacement:
     """
 
     name = "base"
+    #: Stage 3 keeps its at-rest parameter shards in this store when set (parameter offload:
+    #: ``offload.placement_for`` sets it); None: ``DeviceParamStore`` on the training device.
+    param_store: ParamShardStore | None = None
 
     def make_master(
         self, index: int, param_shard: torch.Tensor, fp32_init: Callable[[], torch.Tensor]

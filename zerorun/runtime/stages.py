@@ -1,15 +1,5 @@
-"""Stages 0, 1 and 2, composed from the shared pieces.
-
-A stage is what the engine talks to between forward and the optimizer; all of them expose
-
-    begin_backward(boundary, first_micro) / end_backward()
-    grad_shards()                 reduced gradients this rank owns (reduce dtype)
-    grads_replicated              True when every rank holds the same full gradients (stage 0),
-                                  so the global norm needs no extra collective
-    step(grad_shards)             optimizer on the shards, then updated parameters written back
-    zero_grad()
-    state                         the ShardedOptimizerState (checkpoints, memory)
-    memory_tensors()              category -> tensors, for memory.py
+"""Stages 0, 1 and 2, composed from the shared pieces: ``FlatStage`` implements the ``Stage``
+protocol (runtime/stage_protocol.py: what the engine, checkpoints and offload may ask of it).
 
 Composition (no stage flags inside the pieces):
 
@@ -19,7 +9,7 @@ Composition (no stage flags inside the pieces):
       1   | world size             | BoundaryReduceScatter  | copy to own shard, all-gather
       2   | world size             | PartitionedGrads       | copy to own shard, all-gather
 
-Stage 3 (stage3.py) implements the same interface over its own parameter store.
+Stage 3 (runtime/stage3/) implements the same protocol over its own parameter store.
 """
 
 from __future__ import annotations
@@ -27,7 +17,6 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
-from torch import nn
 
 from zerorun.runtime.collectives import Communicator
 from zerorun.runtime.flat_params import FlatParamBuffers, TrainableParam
@@ -38,6 +27,7 @@ from zerorun.runtime.grad_reduce import (
     PartitionedGrads,
 )
 from zerorun.runtime.optimizer import ELEMENTWISE
+from zerorun.runtime.partition import FlatLayout
 from zerorun.runtime.precision import MixedPrecisionPolicy
 from zerorun.runtime.sharded_state import DevicePlacement, ShardedOptimizerState, ShardPlacement
 
@@ -80,7 +70,7 @@ class FlatStage:
         self._parts: list[list[int]] | None = None  # decided at the first step (needs the optimizer)
 
     @property
-    def layouts(self):  # noqa: ANN201 - list[FlatLayout]
+    def layouts(self) -> list[FlatLayout]:
         return self.flat.layouts
 
     def begin_backward(self, *, boundary: bool, first_micro: bool) -> None:
@@ -117,6 +107,11 @@ class FlatStage:
                     p.wait()
             return
         self.state.step(grad_shards)
+        self._write_back()
+
+    def _write_back(self) -> None:
+        """Masters -> this rank's parameter shards -> all-gather of the flat buffers (stages 1-2)."""
+        own = self._own
         with torch.no_grad():
             self.state.write_back(own)
             if self.stage > 0:
@@ -126,6 +121,10 @@ class FlatStage:
                 ]
                 for p in pending:
                     p.wait()
+
+    def params_from_masters(self) -> None:
+        """After a checkpoint load: masters -> the flat parameter buffers. Collective."""
+        self._write_back()
 
     def _step_parts(self) -> list[list[int]]:
         """Parts of about equal size for the pipelined step, or one part (the plain step) when
@@ -169,6 +168,9 @@ class FlatStage:
     def buffer_peak_bytes(self) -> int:
         return self.reducer.peak_buffer_bytes
 
+    def remove_hooks(self) -> None:
+        self.reducer.remove_hooks()
+
 
 def build_flat_stage(
     stage: int,
@@ -208,7 +210,3 @@ def build_flat_stage(
     # the CPU step there; the default placement ignores it).
     reducer.on_grad_ready = lambda i: state.grad_ready(i, reducer.grad_shard(i))
     return FlatStage(stage, flat, reducer, state, comm)
-
-
-def module_param_count(module: nn.Module) -> int:
-    return sum(p.numel() for p in module.parameters())

@@ -1,12 +1,12 @@
 """The engine's side of checkpoints: `CheckpointView` over an `Engine`, and the three calls
 `Engine.save_checkpoint` / `load_checkpoint` / `save_16bit_model` delegate to.
 
-What it reads of the runtime (Contract 6): ``engine.stage.state`` (the `ShardedOptimizerState`:
-``layouts``, ``shard_index``, ``masters``, ``optimizer``, ``load_sharded_state``), the flat
-layouts' ``pieces_in_range`` (partition.py), ``engine.comm`` (rank, world size, group), the
-module, scheduler, loss scaler and counters. After a load the stage re-derives its parameters
-from the masters through ``stage.params_from_masters()`` when it has one, else the stage 0-2
-write-back (own shard, then all-gather) is done here.
+What it reads of the runtime (Contract 6): the ``Stage`` protocol of ``engine.stage`` -- its
+``state`` (the `ShardedOptimizerState`: ``layouts``, ``shard_index``, ``masters``,
+``optimizer``, ``load_sharded_state``) and, after a load, ``params_from_masters()`` (the stage
+re-derives the parameters the forward uses) -- the flat layouts' ``pieces_in_range``
+(partition.py), ``engine.comm`` (rank, world size, group), the module, scheduler, loss scaler
+and counters.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import logging
 import math
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -24,6 +24,9 @@ from .export import save_full_model
 from .format import BUFFER, OPTIM_PREFIX, WEIGHT, CheckpointMeta, Fragment, ParamInfo, dtype_name
 from .sharded import load_checkpoint as _load
 from .sharded import save_checkpoint as _save
+
+if TYPE_CHECKING:
+    from zerorun.runtime.engine import Engine
 
 __all__ = ["EngineCheckpointView", "save", "load", "save_16bit_model"]
 
@@ -63,7 +66,7 @@ def _persistent_buffers(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
 class EngineCheckpointView:
     """`CheckpointView` (sharded.py) over an `Engine`."""
 
-    def __init__(self, engine: Any, *, exclude_frozen: bool = False) -> None:
+    def __init__(self, engine: Engine, *, exclude_frozen: bool = False) -> None:
         self.engine = engine
         self.exclude_frozen = exclude_frozen  # DeepSpeed's exclude_frozen_parameters
         self.rank: int = engine.comm.rank
@@ -247,23 +250,11 @@ class EngineCheckpointView:
         self._optim_targets = {}
 
     def after_checkpoint_load(self) -> None:
-        stage = self.engine.stage
-        sync = getattr(stage, "params_from_masters", None)
-        if sync is not None:
-            sync()
-            return
-        # stages 0-2 (stages.py): masters -> own parameter shard -> all-gather the rest
-        st = self.state
-        own = [stage.flat.shard(i, st.shard_index) for i in range(len(st.layouts))]
-        with torch.no_grad():
-            st.write_back(own)
-            if self.engine.settings.stage > 0:
-                for p in [stage.comm.all_gather(buf, sh) for buf, sh in zip(stage.flat.buffers, own, strict=True)]:
-                    p.wait()
+        self.engine.stage.params_from_masters()
 
 
 def save(
-    engine: Any,
+    engine: Engine,
     save_dir: str | os.PathLike[str],
     tag: Any,
     client_state: dict[str, Any] | None,
@@ -274,12 +265,12 @@ def save(
     return _save(view, save_dir, tag, client_state, save_latest)
 
 
-def load(engine: Any, load_dir: str | os.PathLike[str], tag: Any, **flags: bool) -> tuple[str | None, dict[str, Any] | None]:
+def load(engine: Engine, load_dir: str | os.PathLike[str], tag: Any, **flags: bool) -> tuple[str | None, dict[str, Any] | None]:
     return _load(EngineCheckpointView(engine), load_dir, tag, **flags)
 
 
 def save_16bit_model(
-    engine: Any, save_dir: str | os.PathLike[str], save_filename: str, exclude_frozen_parameters: bool = False
+    engine: Engine, save_dir: str | os.PathLike[str], save_filename: str, exclude_frozen_parameters: bool = False
 ) -> bool:
     """DeepSpeed's semantics: at stage 3 only with stage3_gather_16bit_weights_on_model_save."""
     settings = engine.settings

@@ -48,5 +48,5 @@ def placement_for(settings: RuntimeSettings, device: torch.device) -> ShardPlace
         if type(placement) is DevicePlacement:
             placement = DeviceWithParamStore(device, store)
         else:
-            placement.param_store = store  # type: ignore[attr-defined]
+            placement.param_store = store
     return placement

@@ -303,14 +303,12 @@ class HostPlacement(ShardPlacement):
 
     def close(self) -> None:
         self.runner.close()
-        store = getattr(self, "param_store", None)
-        if store is not None:
-            store.close()
+        if self.param_store is not None:
+            self.param_store.close()
 
     def add_memory(self, ledger: Any) -> None:
-        store = getattr(self, "param_store", None)
-        if store is not None:
-            store.add_memory(ledger)
+        if self.param_store is not None:
+            self.param_store.add_memory(ledger)
         ledger.add("grads", self.grads)
         ledger.add("buffers", [t for t in self.staging if t is not None])
 

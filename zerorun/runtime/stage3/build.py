@@ -90,7 +90,7 @@ def build_stage3(
 ) -> Stage3:
     opts = settings.stage3
     policy = settings.precision.policy
-    store: ParamShardStore = getattr(placement, "param_store", None) or DeviceParamStore(device)
+    store: ParamShardStore = placement.param_store or DeviceParamStore(device)
     # Masters and shards both on the device: the fp32 master shard is the at-rest parameter
     # (the master of an fp32 shard is the shard itself, DevicePlacement.make_master).
     rest_dtype = (

@@ -1,4 +1,4 @@
-"""The stage-3 stage object: the Contract 6 stage interface over parameter groups.
+"""The stage-3 stage object: the ``Stage`` protocol (runtime/stage_protocol.py) over parameter groups.
 
     begin_backward / end_backward    the hooks (hooks.py) reduce-scatter during the backward;
                                      end_backward finishes what is left and waits
@@ -7,6 +7,7 @@
                                      parameter shards; the next forward gathers the new values
                                      (persistent parameters are all-gathered here)
     state / layouts / memory_tensors / buffer_peak_bytes / params_from_masters (checkpoints)
+    remove_hooks()                   engine.destroy
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
 from zerorun.runtime.collectives import Communicator
 from zerorun.runtime.partition import FlatLayout
@@ -47,8 +49,9 @@ class Stage3:
         self._owner: list[tuple[ParamGroup, int]] = [
             (g, li) for g in self.groups for li in range(len(g.layouts))
         ]
-        if hasattr(state, "grad_ready"):
-            hooks.on_grad_ready = state.grad_ready
+        hooks.on_grad_ready = state.grad_ready
+        # model_io's state_dict hooks on the module (build_stage3 installs them)
+        self.io_handles: list[RemovableHandle] = []
 
     @property
     def layouts(self) -> list[FlatLayout]:
@@ -100,6 +103,9 @@ class Stage3:
     def zero_grad(self) -> None:
         for g in self.groups:
             g.zero_grad()
+
+    def remove_hooks(self) -> None:
+        self.hooks.remove_hooks()
 
     # -- memory ---------------------------------------------------------------------------------
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from zerorun.runtime.memory import MemoryLedger
+
 __all__ = ["ParamShardStore", "DeviceParamStore"]
 
 
@@ -32,6 +34,14 @@ class ParamShardStore:
 
     def tensors(self) -> list[torch.Tensor]:
         raise NotImplementedError
+
+    def add_memory(self, ledger: MemoryLedger) -> None:
+        """Bytes held beyond ``tensors()`` (host buffers, files), for ``engine.memory_summary``."""
+        return None
+
+    def close(self) -> None:
+        """Release what the store holds (``engine.destroy``)."""
+        return None
 
 
 class DeviceParamStore(ParamShardStore):
