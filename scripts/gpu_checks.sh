@@ -5,15 +5,24 @@
 #      ZERORUN_DEBUG_COLLECTIVES=1 so the one-rank collectives really run on the side stream;
 #   2. the same matrix with 2 and 4 ranks sharing the one GPU over gloo (--ranks_per_gpu mode);
 #   3. examples/gpt.py through the launcher: 1 rank on the GPU (NCCL), and 2 ranks sharing it;
-#   4. the ZeRO stage 3 tests the same two ways; 5. stage-3 memory at rest per rank vs 16Ψ/N.
+#   4. the ZeRO stage 3 tests the same two ways; 5. stage-3 memory at rest per rank vs 16Ψ/N;
+#   6. the delayed parameter update against its one-step-delayed reference, step by step, in the
+#      configuration that did not learn on the GPU (issue 20: GPT, many flat buffers x tiles,
+#      worker thread, LR scheduler, warm-up, no host sync between steps): 2 ranks sharing the GPU
+#      at stages 1-3 x clip on/off x bf16/fp16, and world 1 on NCCL with a 134M-parameter GPT;
+#   7. torch.compile: stages 0-3 and offload with compiled blocks (inductor, aot_eager) and
+#      engine.compile(), losses and parameters against the uncompiled run, compiles counted
+#      (2 ranks sharing the GPU; world 1 on NCCL with the collectives forced). One inductor
+#      cache (TORCHINDUCTOR_CACHE_DIR) is shared by every group.
 #
 # Results (logs, junit XML, a summary) go under $OUT (default ./gpu_checks_out). Needs torch with
 # CUDA, pytest, and zerorun's dependencies (pydantic, typer, rich, pyyaml; paramiko is not used
 # here). PYTHON selects the interpreter (default: python3).
 #
 # Bounded: each group has its own limit and all of them share GPU_CHECKS_BUDGET seconds (default
-# 480): a group gets what is left, a group with under 20 s left is skipped (said in the summary),
-# so the script ends in about 8 minutes even when something hangs. pytest prints every failure's
+# 1200): a group gets what is left, a group with under 20 s left is skipped (said in the summary),
+# so the script ends in about 20 minutes even when something hangs. Where one call is limited to
+# 10 minutes, run it in two parts with GPU_CHECKS_ONLY (docs/gpu-verification.md says which). pytest prints every failure's
 # short traceback and the list of failures (-rf --tb=short) into the group's log, whose last 40
 # lines also go to the summary when the group fails.
 set -uo pipefail
@@ -24,7 +33,9 @@ mkdir -p "$OUT"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" OMP_NUM_THREADS=4 PYTHONUNBUFFERED=1
 # ZR_TEST_DEADLINE: one multi-rank launch inside a test (a hang ends there, with every rank's output).
 export CUBLAS_WORKSPACE_CONFIG=:4096:8 ZERORUN_TEST_DEVICE=cuda ZERORUN_RANKS_PER_GPU=4 ZR_TEST_DEADLINE=100
-BUDGET="${GPU_CHECKS_BUDGET:-480}"
+BUDGET="${GPU_CHECKS_BUDGET:-1200}"
+# One compile cache for every group: a block compiled once is reused (inductor's graph cache).
+export TORCHINDUCTOR_CACHE_DIR="${TORCHINDUCTOR_CACHE_DIR:-${TMPDIR:-/tmp}/zr-gpu-checks-inductor}"
 # GPU_CHECKS_ONLY=eq_world1_nccl,offload_shared_gloo runs only the named groups.
 PYTEST=("$PY" -m pytest -q -p no:cacheprovider -rf --tb=short)
 summary="$OUT/summary.txt"
@@ -89,4 +100,17 @@ run s3_shared_gloo 90 env ZERORUN_BACKEND=gloo ZR_S3_WORLDS=2,4 \
 # 5. stage-3 memory at rest per rank (torch.cuda.memory_allocated) vs 16Ψ/N: JSON in $OUT/s3_memory_w*.json
 run s3_memory_w1 40 env OUT="$OUT" "$PY" -m zerorun --num_gpus 1 tests/runtime/_s3_gpu_memory.py --size 350M
 run s3_memory_w4 60 env OUT="$OUT" "$PY" -m zerorun --num_gpus 4 --ranks_per_gpu 4 tests/runtime/_s3_gpu_memory.py --size 350M
+# 6. The delayed parameter update (issue 20) against the one-step-delayed reference: the CUDA copy
+#    path (pinned tiles, side streams, events, the worker thread) in the triggering configuration.
+run dpu_shared_gloo 150 env ZERORUN_BACKEND=gloo \
+  "${PYTEST[@]}" tests/runtime/test_offload_delayed.py --junitxml="$OUT/dpu_shared_gloo.xml"
+dpu_big="z2-bf16-clip0-warm0,z2-fp16-clip0.5-warm2,z3-bf16-clip0.5-warm2,z1-bf16-clip0-warm2"
+run dpu_125M_world1_nccl 150 env ZERORUN_BACKEND=nccl ZR_DPU_WORLD=1 ZR_DPU_SIZE=125M ZR_DPU_STEPS=8 \
+  ZR_DPU_CASES="$dpu_big" "${PYTEST[@]}" tests/runtime/test_offload_delayed.py -k "${dpu_big//,/ or }" \
+  --junitxml="$OUT/dpu_125M_world1_nccl.xml"
+# 7. torch.compile with every stage and offload mode (issue 20).
+run compile_shared_gloo 240 env ZERORUN_BACKEND=gloo \
+  "${PYTEST[@]}" tests/runtime/test_compile.py --junitxml="$OUT/compile_shared_gloo.xml"
+run compile_world1_nccl 150 env ZERORUN_BACKEND=nccl ZERORUN_DEBUG_COLLECTIVES=1 ZR_COMPILE_WORLD=1 \
+  "${PYTEST[@]}" tests/runtime/test_compile.py --junitxml="$OUT/compile_world1_nccl.xml"
 echo "results in $OUT" | tee -a "$summary"

@@ -13,7 +13,7 @@ clipped by the exact global norm, fp16 loss scales taken from the engine (skippe
 
 argv: OUT_JSON [CASE,CASE,...]. Every rank runs every case; rank 0 computes the reference and
 writes {case: result}. ZR_DPU_SIZE picks the model (default "tiny"; the GPU check uses a
-bigger one) and ZR_DPU_STEPS the steps. Run by test_offload_delayed.py through _spawn, and by
+bigger one), ZR_DPU_STEPS the steps, ZR_DPU_CASES (comma list) the cases. Run by test_offload_delayed.py through _spawn, and by
 scripts/gpu_checks.sh on the GPU (world 1 on NCCL and 2 ranks sharing the GPU).
 """
 
@@ -109,9 +109,12 @@ def config(case: DCase, micro: int, bucket: int, sub_group: int) -> dict:
 
 
 def build(cfg: gpt_model.GPTConfig, device: torch.device) -> gpt_model.GPT:
+    """The same initial weights on every device: drawn on the CPU (CUDA's generator gives other
+    numbers for the same seed), then moved."""
     torch.manual_seed(11)
-    with torch.device(device):
-        return gpt_model.GPT(cfg)
+    with torch.device("cpu" if device.type == "cuda" else device):
+        model = gpt_model.GPT(cfg)
+    return model.to(device)
 
 
 def reference(case: DCase, cfg, micro: int, world: int, steps: int, scales: list[float], device) -> dict:
@@ -214,7 +217,8 @@ def run_case(case: DCase, rank: int, world: int, steps: int) -> dict | None:
 
 def main() -> None:
     out_path = Path(sys.argv[1])
-    only = set(sys.argv[2].split(",")) if len(sys.argv) > 2 and sys.argv[2] else None
+    picked = sys.argv[2] if len(sys.argv) > 2 else os.environ.get("ZR_DPU_CASES", "")
+    only = set(picked.split(",")) if picked else None
     steps = int(os.environ.get("ZR_DPU_STEPS", "7"))
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     results: dict = {}

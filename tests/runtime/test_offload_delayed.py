@@ -16,6 +16,7 @@ Adam's first steps amplify; a wrong update is off by the order of the update its
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -24,13 +25,17 @@ from ._dpu_worker import CASES, DCase
 from ._spawn import results_per_world
 
 HERE = Path(__file__).resolve().parent
-WORLD = 2
-STEPS = 7  # _dpu_worker's default (ZR_DPU_STEPS)
+# scripts/gpu_checks.sh also runs world 1 on NCCL with a bigger GPT (ZR_DPU_SIZE): there the
+# reference's attention backward and cuBLAS are not bitwise those of the ranks' (other
+# shapes, atomics), so bf16 rounding flips build up over the steps: the bounds widen to what a
+# wrong update could never meet (the defect this guards against is off by the update itself).
+WORLD = int(os.environ.get("ZR_DPU_WORLD", "2"))
+SCALED = os.environ.get("ZR_DPU_SIZE", "tiny") != "tiny"
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
-    return results_per_world(tmp_path_factory, HERE / "_dpu_worker.py", prefix="dpu", deadline_s=300)
+    return results_per_world(tmp_path_factory, HERE / "_dpu_worker.py", prefix="dpu", deadline_s=400)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
@@ -47,9 +52,11 @@ def test_delayed_update_matches_reference(results, case: DCase) -> None:  # noqa
     assert ranks[0]["delayed_steps"] == max(0, taken - case.warmup), ranks[0]
     assert ranks[0]["delayed_steps"] >= 4
     ulp = 2.0**-7 if case.dtype == "bf16" else 2.0**-10
+    if SCALED:
+        ulp = 1e-2
     for rank, r in enumerate(ranks):
         for step in range(steps):
             got, want = r["losses"][step], ref[step][rank]
             assert abs(got - want) <= ulp * max(1.0, abs(want)), (case.name, rank, step, r["losses"], ref)
-    bound = 2e-3 if case.clip > 0 else 1e-5
+    bound = 2e-2 if SCALED else 2e-3 if case.clip > 0 else 1e-5
     assert res["master_rel_err"] <= bound, (case.name, res["master_rel_err"])
