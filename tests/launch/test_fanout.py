@@ -81,3 +81,18 @@ def test_the_soft_fd_limit_is_raised_or_the_error_names_it():
     out = run(256, 512)
     assert out.startswith("ERROR the 2000 log files under --log_dir need about 2065 more file descriptors")
     assert "(RLIMIT_NOFILE) is 512 (hard limit 512)" in out and "ulimit -Hn" in out
+
+
+def test_the_ssh_fan_out_options_reach_the_connections(monkeypatch):
+    from zerorun.cli.launch_cmd import normalize_argv
+    from zerorun.launch.plan import LaunchOptions, Target
+    from zerorun.launch.remote import ssh_options_from
+
+    argv = normalize_argv(["--ssh_parallelism", "64", "--ssh_connect_timeout=2.5", "train.py"])
+    assert argv[:3] == ["--ssh-parallelism", "64", "--ssh-connect-timeout=2.5"]
+    monkeypatch.delenv("ZERORUN_SSH_PARALLELISM", raising=False)
+    opts = ssh_options_from(LaunchOptions(target=Target(script="t.py"), ssh_parallelism=64, ssh_connect_timeout=2.5))
+    assert opts.parallelism == 64 and opts.connect_timeout == 2.5
+    assert ssh_options_from(LaunchOptions(target=Target(script="t.py"))).parallelism == 32
+    monkeypatch.setenv("ZERORUN_SSH_PARALLELISM", "8")
+    assert ssh_options_from(LaunchOptions(target=Target(script="t.py"))).parallelism == 8

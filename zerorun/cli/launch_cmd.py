@@ -96,6 +96,13 @@ def launch(
     ssh_accept_new_hosts: bool = typer.Option(
         False, "--ssh-accept-new-hosts", help="Trust unknown SSH host keys on first use."
     ),
+    ssh_parallelism: Optional[int] = typer.Option(  # noqa: UP045
+        None, "--ssh-parallelism", metavar="N", min=1, help="SSH connections opened at once (default 32, like pdsh)."
+    ),
+    ssh_connect_timeout: Optional[float] = typer.Option(  # noqa: UP045
+        None, "--ssh-connect-timeout", metavar="SECONDS", min=0.1,
+        help="Per-node SSH connect timeout (default: ConnectTimeout from ~/.ssh/config, else 10).",
+    ),
     remote_python: Optional[str] = typer.Option(None, "--remote-python", metavar="PATH", help="Python on the nodes (default: this one's path)."),  # noqa: UP045
     remote_cwd: Optional[str] = typer.Option(None, "--remote-cwd", metavar="DIR", help="Working directory on the nodes (default: this cwd)."),  # noqa: UP045
     env: Optional[list[str]] = typer.Option(  # noqa: UP045
@@ -200,6 +207,8 @@ def launch(
         hostfile=hostfile,
         num_nodes=num_nodes,
         ssh_accept_new_hosts=ssh_accept_new_hosts,
+        ssh_parallelism=ssh_parallelism,
+        ssh_connect_timeout=ssh_connect_timeout,
         remote_python=remote_python,
         remote_cwd=remote_cwd,
         env=tuple(env or ()),

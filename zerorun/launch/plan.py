@@ -90,6 +90,8 @@ class LaunchOptions:
     hostfile: str | None = None
     num_nodes: int | None = None
     ssh_accept_new_hosts: bool = False
+    ssh_parallelism: int | None = None  # connections opened at once (None: ZERORUN_SSH_PARALLELISM or 32)
+    ssh_connect_timeout: float | None = None  # per node (None: ConnectTimeout from ~/.ssh/config, else 10 s)
     remote_python: str | None = None
     remote_cwd: str | None = None
     env: tuple[str, ...] = ()  # --env KEY=VAL / KEY, verbatim
