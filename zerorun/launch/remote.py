@@ -16,11 +16,13 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from zerorun.errors import LaunchError
 from zerorun.launch import wire
+from zerorun.launch.messages import NodeLost, NodeRunner, RankEvent, RankExit, RankOutput, RankStarted, Sink
+from zerorun.launch.plan import LaunchOptions, LaunchPlan, NodePlan
 from zerorun.launch.ssh import (
     NodeChannel,
     SshOptions,
@@ -185,7 +187,7 @@ def _explain_early_exit(ch: NodeChannel, python: str, cwd: str) -> str:
 class SshRunner:
     """A `NodeRunner` for one remote node: drives that node's agent over its channel."""
 
-    def __init__(self, plan: Any, node: Any, channel: NodeChannel, options: SshOptions) -> None:
+    def __init__(self, plan: LaunchPlan, node: NodePlan, channel: NodeChannel, options: SshOptions) -> None:
         self.plan = plan
         self.node = node
         self.channel = channel
@@ -193,9 +195,9 @@ class SshRunner:
         self._exited: set[int] = set()
         self._lost = False
         self._done = threading.Event()
-        self._sink: Callable[[Any], None] | None = None
+        self._sink: Sink | None = None
 
-    def start(self, sink: Callable[[Any], None]) -> None:
+    def start(self, sink: Sink) -> None:
         self._sink = sink
         sent = self.channel.send(
             "plan",
@@ -211,8 +213,6 @@ class SshRunner:
         threading.Thread(target=self._heartbeat, name=f"ssh-hb-{self.channel.alias}", daemon=True).start()
 
     def _pump(self) -> None:
-        from zerorun.launch.messages import RankEvent, RankExit, RankOutput, RankStarted
-
         assert self._sink is not None
         while True:
             msg = self.channel.messages.get()
@@ -250,8 +250,6 @@ class SshRunner:
                 return
 
     def _lose(self, reason: str) -> None:
-        from zerorun.launch.messages import NodeLost
-
         if self._lost or self._sink is None or len(self._exited) == len(self.node.ranks):
             return
         self._lost = True
@@ -271,7 +269,7 @@ class SshRunner:
         self.channel.close()  # EOF on the agent's stdin: it kills whatever is left and exits
 
 
-def ssh_options_from(options: Any) -> SshOptions:
+def ssh_options_from(options: LaunchOptions) -> SshOptions:
     """The SSH part of `launch.plan.LaunchOptions` (+ ZERORUN_SSH_HEARTBEAT_TIMEOUT, and
     ZERORUN_SSH_PARALLELISM / ZERORUN_SSH_CONNECT_TIMEOUT where the options leave them out)."""
     timeout = float(os.environ.get("ZERORUN_SSH_HEARTBEAT_TIMEOUT", SshOptions.heartbeat_timeout_s))
@@ -289,7 +287,9 @@ def ssh_options_from(options: Any) -> SshOptions:
     )
 
 
-def prepare(plan: Any, options: Any, *, ssh: SshOptions | None = None) -> tuple[Any, list[Any]]:
+def prepare(
+    plan: LaunchPlan, options: LaunchOptions, *, ssh: SshOptions | None = None
+) -> tuple[LaunchPlan, list[NodeRunner]]:
     """Preflight every remote node of `plan`, then return the plan with the master address and
     port the ranks must use, and one runner per node (LocalRunner for this machine's node).
 
@@ -328,7 +328,7 @@ def prepare(plan: Any, options: Any, *, ssh: SshOptions | None = None) -> tuple[
         check_devices(plan, pf.hellos, auto=auto)
         plan = plan.with_master(pf.master_addr, pf.master_port)
         plan = _with_cwd(plan, pf.cwd)
-        runners: list[Any] = []
+        runners: list[NodeRunner] = []
         for node in plan.nodes:
             if node.is_local:
                 runners.append(LocalRunner(plan, node))
@@ -351,7 +351,7 @@ def _local_port_problem(port: int) -> str | None:
     return None
 
 
-def check_devices(plan: Any, hellos: dict[str, dict[str, Any]], *, auto: bool) -> None:
+def check_devices(plan: LaunchPlan, hellos: dict[str, dict[str, Any]], *, auto: bool) -> None:
     """The plan's device against the GPUs each node reported: a slot beyond a node's GPUs is
     an error, and so is a CPU job on GPU nodes that only happened because the launcher's own
     machine has no GPU (`--device auto` on a login node)."""
@@ -380,7 +380,5 @@ def check_devices(plan: Any, hellos: dict[str, dict[str, Any]], *, auto: bool) -
         raise LaunchError(join_errors("The device check", {str(i): p for i, p in enumerate(problems)}) + " Nothing was started.")
 
 
-def _with_cwd(plan: Any, cwd: str) -> Any:
-    from dataclasses import replace
-
+def _with_cwd(plan: LaunchPlan, cwd: str) -> LaunchPlan:
     return replace(plan, cwd=cwd)
