@@ -142,6 +142,19 @@ def test_stop_paths(cluster, slurm, tmp_path: Path) -> None:  # type: ignore[no-
         alloc_env = {"SLURM_JOB_ID": jid, "SLURM_JOB_NODELIST": "node[1-2]", "SLURM_JOB_NUM_NODES": "2",
                      "SLURM_TASKS_PER_NODE": "2(x2)"}
 
+        # One zerorun per node inside a step (`srun --ntasks-per-node=1 zerorun ...` in a batch
+        # script): per-node mode from SLURM_NODEID, node 0 shows both nodes' ranks.
+        proc = subprocess.run(
+            ["srun", f"--jobid={jid}", "-N2", "--ntasks-per-node=1", sys.executable, "-m", "zerorun", "--device", "cpu",
+             "--num_gpus", "1", str(SCRIPT.with_name("hello.py"))],
+            capture_output=True, text=True, env=env, cwd=tmp_path, timeout=60,
+        )
+        out = re.sub(r"\] +", "] ", proc.stdout + proc.stderr)
+        assert proc.returncode == 0, out
+        assert out.count(f"launcher pernode: auto: inside Slurm step {jid}.") == 2, out
+        assert "[node1:0] HELLO rank=0 node_rank=0 host=node1" in out, out  # on node 0's console...
+        assert out.count("HELLO rank=1 node_rank=1 host=node2") == 2, out  # ...and on node 1's own
+
         def job(mode: str, **extra: str) -> Launch:
             return _running_job(cluster, slurm, tmp_path, alloc_env, MN_MODE=mode, **extra)
 
