@@ -79,7 +79,11 @@ class ActivationCheckpointing(Section):
     synchronize_checkpoint_boundary: Flag = field(
         False, "Synchronize the device before and after each checkpointed forward (debugging; CUDA only)."
     )
-    profile: Flag = field(False, "Time each checkpointed function.", acted_on=False)
+    profile: Flag = field(
+        False,
+        "Time every checkpointed forward and its recomputation; rank 0 prints the totals with each "
+        "`steps_per_print` report (and the status event carries them).",
+    )
 
 
 class Tensorboard(Section):

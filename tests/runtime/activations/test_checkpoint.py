@@ -70,3 +70,21 @@ def test_configure_reads_a_deepspeed_config_and_arguments_override(tmp_path: Pat
 def test_no_grad_runs_the_function_plainly() -> None:
     with torch.no_grad():
         assert torch.equal(checkpointing.checkpoint(torch.tanh, torch.ones(2)), torch.tanh(torch.ones(2)))
+
+
+def test_profile_times_forward_and_recompute() -> None:
+    from zerorun.runtime.activations import take_profile
+
+    checkpointing.reset()
+    take_profile()
+    try:
+        checkpointing.configure(None, profile=True)
+        x = torch.randn(3, 4, requires_grad=True)
+        for _ in range(2):
+            checkpointing.checkpoint(torch.tanh, x).sum().backward()
+        prof = take_profile()
+        assert prof is not None and prof["forward_calls"] == 2 and prof["recompute_calls"] == 2
+        assert prof["forward_ms"] >= 0 and prof["recompute_ms"] >= 0
+        assert take_profile() is None  # taken
+    finally:
+        checkpointing.reset()

@@ -42,6 +42,7 @@ def job(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "csv_monitor": {"enabled": True, "output_path": str(tmp / "csv"), "job_name": "job"},
         "tensorboard": {"enabled": True, "output_path": str(tmp / "tb"), "job_name": "job"},
         "wandb": {"enabled": True, "project": "zr-test", "group": "g"},
+        "activation_checkpointing": {"profile": True},
     }
     cfg_path = tmp / "ds.json"
     cfg_path.write_text(json.dumps(config))
@@ -85,6 +86,9 @@ def test_stdout_lines_like_deepspeed(job: dict[str, Any]) -> None:
     assert all(float(v) > 0 for v in ms.values())
     # bwd encloses its two parts
     assert float(ms["bwd"]) >= float(ms["bwd_inner"]) + float(ms["bwd_allreduce"]) - 0.05
+    # activation_checkpointing.profile: 2 steps x 2 micro-batches per report, one checkpoint each
+    ck = [line for line in job["out"].splitlines() if "[Rank 0] activation checkpointing" in line]
+    assert len(ck) == 2 and all("(4 calls) | recompute:" in line and line.endswith("(4 calls)") for line in ck), ck
     # the launcher's per-rank log has the same line
     assert "[Rank 0] step=2," in (job["log_dir"] / "rank0.log").read_text()
 

@@ -10,6 +10,7 @@ from zerorun.runtime.activations.checkpoint import (
     current,
     is_configured,
     reset,
+    take_profile,
 )
 from zerorun.runtime.activations.options import ActivationOptions
 
@@ -21,4 +22,5 @@ __all__ = [
     "current",
     "is_configured",
     "reset",
+    "take_profile",
 ]

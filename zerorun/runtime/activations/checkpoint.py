@@ -14,6 +14,7 @@ config's `activation_checkpointing` section unless the script called `configure`
 
 from __future__ import annotations
 
+import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -24,7 +25,15 @@ import torch
 from zerorun.runtime.activations.options import ActivationOptions
 from zerorun.runtime.activations.stash import PartitionGroup, Stash
 
-__all__ = ["checkpoint", "configure", "configure_from_options", "is_configured", "reset", "current"]
+__all__ = [
+    "checkpoint",
+    "configure",
+    "configure_from_options",
+    "is_configured",
+    "reset",
+    "current",
+    "take_profile",
+]
 
 
 @dataclass(frozen=True)
@@ -34,8 +43,42 @@ class _State:
     explicit: bool  # set by the script's configure(), which initialize does not override
 
 
-_DEFAULT = _State(ActivationOptions(False, False, False), None, explicit=False)
+_DEFAULT = _State(ActivationOptions(False, False, False, False), None, explicit=False)
 _state = _DEFAULT
+
+# `profile`: (start, end) marks of every checkpointed forward and recomputation since the last
+# take_profile(); CUDA events (no sync when recorded) or perf_counter values.
+_marks: dict[str, list[tuple[Any, Any]]] = {"forward": [], "recompute": []}
+
+
+def _mark(device: torch.device | None) -> Any:
+    if device is not None and device.type == "cuda":
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+    return time.perf_counter()
+
+
+def take_profile() -> dict[str, float] | None:
+    """`activation_checkpointing.profile`: milliseconds spent in checkpointed forwards and in
+    their recomputations, and the number of each, since the last call (None when nothing was
+    profiled). Waits for the recorded CUDA events: call it where a sync is acceptable (the
+    `steps_per_print` report does)."""
+    if not any(_marks.values()):
+        return None
+    out: dict[str, float] = {}
+    for name, pairs in _marks.items():
+        total = 0.0
+        for begin, end in pairs:
+            if isinstance(end, torch.cuda.Event):
+                end.synchronize()
+                total += float(begin.elapsed_time(end))
+            else:
+                total += (end - begin) * 1000.0
+        out[f"{name}_ms"] = total
+        out[f"{name}_calls"] = float(len(pairs))
+        pairs.clear()
+    return out
 
 
 def current() -> tuple[ActivationOptions, PartitionGroup | None]:
@@ -74,7 +117,7 @@ def configure(
     """DeepSpeed's `deepspeed.checkpointing.configure`. `deepspeed_config`: a path, a dict or
     a loaded config (its `activation_checkpointing` section); the other arguments override it.
     `mpu_`: Megatron's model-parallel unit, the group `partition_activations` splits across.
-    `contiguous_checkpointing`/`num_checkpoints`/`profile` are accepted and have no effect
+    `contiguous_checkpointing`/`num_checkpoints` are accepted and have no effect
     (docs/config-reference.md says why)."""
     global _state
     options = _state.options if _state.explicit else _DEFAULT.options
@@ -91,6 +134,8 @@ def configure(
         options = replace(options, cpu_checkpointing=bool(checkpoint_in_cpu))
     if synchronize is not None:
         options = replace(options, synchronize=bool(synchronize))
+    if profile is not None:
+        options = replace(options, profile=bool(profile))
     partition = _partition_group(mpu_)
     if options.partition_activations and (partition is None or partition.size == 1):
         warnings.warn(
@@ -129,8 +174,12 @@ class _CheckpointFunction(torch.autograd.Function):
         sync = state.options.synchronize and device is not None and device.type == "cuda"
         if sync:
             torch.cuda.synchronize(device)  # debugging aid the config asked for
+        ctx.profile = state.options.profile
+        begin = _mark(device) if ctx.profile else None
         with torch.no_grad():
             outputs = run_function(*args)
+        if ctx.profile:
+            _marks["forward"].append((begin, _mark(device)))
         if sync:
             torch.cuda.synchronize(device)
         ctx.stash = Stash(args, cpu=state.options.cpu_checkpointing, partition=state.partition)
@@ -151,8 +200,11 @@ class _CheckpointFunction(torch.autograd.Function):
             torch.set_rng_state(ctx.cpu_rng)
             if ctx.cuda_rng is not None:
                 torch.cuda.set_rng_state(ctx.cuda_rng, ctx.device)
+            begin = _mark(ctx.device) if ctx.profile else None
             with torch.enable_grad(), torch.autocast(dev_type, dtype=autocast_dtype, enabled=autocast_on):
                 outputs = ctx.run_function(*detached)
+            if ctx.profile:
+                _marks["recompute"].append((begin, _mark(ctx.device)))
         if not isinstance(outputs, tuple):
             outputs = (outputs,)
         pairs = [

@@ -16,6 +16,7 @@ class ActivationOptions:
     partition_activations: bool  # keep 1/N of each checkpointed input across the mpu's group
     cpu_checkpointing: bool  # keep checkpointed inputs in pinned host memory
     synchronize: bool  # synchronize_checkpoint_boundary: device sync around each checkpointed forward
+    profile: bool  # time each checkpointed forward and recomputation (reported with steps_per_print)
 
     @classmethod
     def from_config(cls, cfg: ZerorunConfig) -> ActivationOptions:
@@ -24,4 +25,5 @@ class ActivationOptions:
             partition_activations=ac.partition_activations,
             cpu_checkpointing=ac.cpu_checkpointing,
             synchronize=ac.synchronize_checkpoint_boundary,
+            profile=ac.profile,
         )

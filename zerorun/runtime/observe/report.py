@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from zerorun.runtime.activations import take_profile as take_checkpoint_profile
 from zerorun.runtime.observe.flops import FlopsProfiler
 from zerorun.runtime.observe.monitors import Event, MonitorSet
 from zerorun.runtime.observe.options import ObserveOptions
@@ -250,6 +251,9 @@ class StepReporter:
             report["timers_ms"] = mean_timers
         if last.gpu_max_allocated is not None:
             report["gpu_max_allocated"] = last.gpu_max_allocated
+        checkpoints = take_checkpoint_profile()  # activation_checkpointing.profile; None when off
+        if checkpoints is not None:
+            report["checkpoint_profile"] = checkpoints
         self.last_report = report
         if self.rank == 0:
             self._print(report, moms)
@@ -320,6 +324,12 @@ class StepReporter:
         timers = report.get("timers_ms")
         if timers is not None:
             lines.append("[Rank 0] time (ms) | " + " | ".join(f"{k}: {v:.2f}" for k, v in timers.items()))
+        ck = report.get("checkpoint_profile")
+        if ck is not None:
+            lines.append(
+                f"[Rank 0] activation checkpointing (ms since the last report) | forward: {ck['forward_ms']:.2f} "
+                f"({ck['forward_calls']:.0f} calls) | recompute: {ck['recompute_ms']:.2f} ({ck['recompute_calls']:.0f} calls)"
+            )
         out.write("\n".join(lines) + "\n")
         out.flush()
 
