@@ -78,3 +78,21 @@ def test_dry_run_says_probed_per_node(tmp_path, monkeypatch) -> None:  # type: i
     fixed = format_dry_run(plan_job(LaunchOptions(target=Target(script=str(script)), hostfile=str(hostfile), dry_run=True,
                                                   device="cpu")).plan)
     assert "device cpu, backend gloo" in fixed.splitlines()[0]
+
+
+def test_dry_run_names_the_launcher(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "train.py"
+    script.write_text("print(1)\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "PET_"))}
+    env.update(SLURM_JOB_ID="12", SLURM_JOB_NODELIST="gpu[07-08]", SLURM_JOB_NUM_NODES="2", SLURM_TASKS_PER_NODE="4(x2)")
+    proc = subprocess.run([sys.executable, "-m", "zerorun", "--dry-run", str(script)], capture_output=True, text=True,
+                          env=env, cwd=tmp_path, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.startswith("zerorun: launcher slurm: auto: inside Slurm allocation 12 of 2 nodes"), proc.stderr
+    first = proc.stdout.splitlines()[0]
+    assert "8 rank(s), 2 node(s), device per node, probed at start" in first, first
+    assert "gpu08" in proc.stdout

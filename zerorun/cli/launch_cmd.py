@@ -316,7 +316,10 @@ def _run(options: LaunchOptions) -> int:
         if options.dry_run:
             from zerorun.launch.dry_run import format_dry_run
 
-            sys.stdout.write(format_dry_run(plan_job(options).plan))
+            job = plan_job(options)
+            if job.launcher is not None:
+                sys.stderr.write(f"zerorun: {job.launcher.line()}\n")
+            sys.stdout.write(format_dry_run(job.plan))
             return 0
         from zerorun.launch.restart import run_with_restarts
 
