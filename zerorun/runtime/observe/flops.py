@@ -109,6 +109,7 @@ class FlopsProfiler:
         self._mod_marks: dict[str, list[tuple[Any, Any]]] = {}
         self._mod_open: dict[str, list[Any]] = {}
         self._handles: list[Any] = []
+        self._numel: dict[int, int] = {}  # parameter id -> elements, seen while gathered (stage 3)
         self.last_report: dict[str, Any] | None = None
 
     # -- lifecycle --------------------------------------------------------------------------
@@ -131,6 +132,10 @@ class FlopsProfiler:
             self._mod_open.setdefault(name, []).append(self._clock.mark())
 
     def _post(self, module: nn.Module, _args: Any, _out: Any) -> None:
+        # Global forward hooks run before the module's own: at stage 3 its parameters are still
+        # gathered here (they are empty placeholders outside the forward).
+        for p in module.parameters(recurse=False):
+            self._numel[id(p)] = max(self._numel.get(id(p), 0), p.numel())
         name = self._names.get(module)
         if name is not None and self._mod_open.get(name):
             self._mod_marks.setdefault(name, []).append((self._mod_open[name].pop(), self._clock.mark()))
@@ -184,7 +189,9 @@ class FlopsProfiler:
 
     # -- the report -------------------------------------------------------------------------
     def _params(self, module: nn.Module) -> int:
-        return sum(int(getattr(p, "ds_numel", p.numel())) for p in module.parameters())
+        return sum(
+            max(self._numel.get(id(p), 0), int(getattr(p, "ds_numel", p.numel()))) for p in module.parameters()
+        )
 
     def _summarise(self, step: int, micro_steps: int) -> dict[str, Any]:
         ms = {k: sum(self._clock.ms(a, b) for a, b in v) for k, v in self._phase_marks.items()}
