@@ -39,6 +39,7 @@ class ModelArguments:
     n_layer: int = field(default=2, metadata={"help": "layers of the tiny GPT-2 (without a model path)"})
     n_embd: int = field(default=64, metadata={"help": "width of the tiny GPT-2"})
     n_head: int = field(default=2)
+    dropout: float = field(default=0.1, metadata={"help": "GPT-2's dropout rates (0: runs comparable across world sizes)"})
 
 
 @dataclass
@@ -79,6 +80,9 @@ def main() -> None:
             n_head=model_args.n_head,
             bos_token_id=0,
             eos_token_id=0,
+            resid_pdrop=model_args.dropout,
+            embd_pdrop=model_args.dropout,
+            attn_pdrop=model_args.dropout,
         )
         model = AutoModelForCausalLM.from_config(config)
 

@@ -1,6 +1,6 @@
 """Making `import deepspeed` resolve to zerorun's compatibility layer, inside one process.
 
-Two entries at the front of ``sys.meta_path`` (stdlib only, nothing imported until a script
+Entries at the front of ``sys.meta_path`` (stdlib only, nothing imported until a script
 asks for ``deepspeed``):
 
 * ``AliasFinder``: ``deepspeed`` and ``deepspeed.X.Y`` are the modules
@@ -12,6 +12,9 @@ asks for ``deepspeed``):
   ``COMPAT_VERSION``. transformers and accelerate count DeepSpeed as available only when
   ``find_spec("deepspeed")`` *and* ``metadata("deepspeed")`` both succeed, and gate features on
   the version; nothing is ever installed under the name deepspeed.
+
+* ``AcceleratePatcher`` (CPU ranks only): accelerate's DeepSpeed path counts every process
+  (accelerate_cpu.py).
 
 When a real DeepSpeed is installed as well, ``activate`` says once (rank 0) that this process
 uses the layer, not that installation.
@@ -144,8 +147,46 @@ class DistributionFinder(importlib.abc.MetaPathFinder):
             yield _CompatDistribution()
 
 
+class _PatchingLoader(importlib.abc.Loader):
+    """Runs a module's own loader, then a patch on the module (see AcceleratePatcher)."""
+
+    def __init__(self, inner: Any, patch: Any) -> None:
+        self.inner = inner
+        self.patch = patch
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
+        return self.inner.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        self.inner.exec_module(module)
+        self.patch(module)
+
+
+class AcceleratePatcher(importlib.abc.MetaPathFinder):
+    """On CPU ranks: ``accelerate.state`` counts every process on its DeepSpeed path
+    (compat/accelerate_cpu.py); patched as it is imported."""
+
+    _TARGET = "accelerate.state"
+
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None = None, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        if fullname != self._TARGET:
+            return None
+        from zerorun.compat import accelerate_cpu
+
+        if not accelerate_cpu.wanted():
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or spec.loader is None:
+            return None
+        spec.loader = _PatchingLoader(spec.loader, accelerate_cpu.patch_accelerate_state)
+        return spec
+
+
 _alias = AliasFinder()
 _dists = DistributionFinder()
+_accelerate = AcceleratePatcher()
 
 
 def is_active() -> bool:
@@ -169,9 +210,15 @@ def real_deepspeed() -> tuple[str, str] | None:
 
 
 def _install() -> None:
-    for finder in (_dists, _alias):
+    for finder in (_accelerate, _dists, _alias):
         if finder not in sys.meta_path:
             sys.meta_path.insert(0, finder)
+    loaded = sys.modules.get(AcceleratePatcher._TARGET)
+    if loaded is not None:
+        from zerorun.compat import accelerate_cpu
+
+        if accelerate_cpu.wanted():
+            accelerate_cpu.patch_accelerate_state(loaded)
 
 
 def activate(*, announce: bool = True) -> None:
@@ -217,6 +264,6 @@ def _pin_accelerate_device() -> None:
 
 def deactivate() -> None:
     """Remove the finders (tests). Modules already imported as deepspeed.* stay in sys.modules."""
-    for finder in (_alias, _dists):
+    for finder in (_alias, _dists, _accelerate):
         while finder in sys.meta_path:
             sys.meta_path.remove(finder)

@@ -15,6 +15,7 @@ from torch import nn
 from zerorun.compat.deepspeed._surface import unsupported
 from zerorun.compat.deepspeed.runtime.engine import DeepSpeedEngine
 from zerorun.errors import RuntimeConfigError
+from zerorun.runtime.settings import RuntimeSettings
 
 __all__ = ["initialize", "check_not_accelerate_on_cpu_ranks"]
 
@@ -70,12 +71,15 @@ def _elementwise_standin(optimizer: Any) -> bool:
 def check_not_accelerate_on_cpu_ranks(env: dict[str, str], world_size: int, cuda: bool) -> None:
     """accelerate takes its DeepSpeed path on CPU but counts one process there whatever the
     world size (it only knows GPU backends for it): batch sizes and data sharding would be
-    wrong. Say so instead of failing later on a batch-size mismatch."""
+    wrong. Say so instead of failing later on a batch-size mismatch. (Not reached on
+    zerorun's CPU ranks, where accelerate is made to count them: compat/accelerate_cpu.py;
+    this is for the layer activated some other way.)"""
     if env.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true" and world_size > 1 and not cuda:
         raise RuntimeConfigError(
             f"Hugging Face Trainer/accelerate with DeepSpeed on {world_size} CPU ranks: accelerate counts one "
             "process on CPU (its DeepSpeed path needs GPUs), so batch sizes and data sharding would be wrong. "
-            "Run one CPU rank (--num_gpus 1), or run on GPUs (several ranks may share one: --ranks_per_gpu)."
+            "Launch with `zerorun --deepspeed-compat --device cpu` (which makes accelerate count every CPU rank), "
+            "run one CPU rank, or run on GPUs (several ranks may share one: --ranks_per_gpu)."
         )
 
 
@@ -86,22 +90,18 @@ def _evaluation_only_optimizer(groups: Any) -> torch.optim.Optimizer:
     return torch.optim.SGD(groups, lr=0.0)
 
 
-def info_line(settings: Any) -> str:
+def info_line(settings: RuntimeSettings) -> str:
     """DeepSpeed's ``DeepSpeed info: version=...`` line (logged on ``deepspeed.utils.logger`` at
     ``initialize``; tools look for it), with what zerorun runs: stage, precision, offload."""
     from zerorun.compat.activation import COMPAT_VERSION
 
-    if settings.fp16:
+    if settings.precision.fp16:
         precision = "fp16"
-    elif settings.policy.param_dtype == torch.bfloat16:
+    elif settings.precision.policy.param_dtype == torch.bfloat16:
         precision = "bf16"
     else:
         precision = "fp32"
-    offload = getattr(settings, "offload", None)  # the settings' option objects (or their flat names before them)
-    if offload is not None:
-        opt_device, param_device = offload.optimizer_device, offload.param_device
-    else:
-        opt_device, param_device = settings.offload_optimizer_device, settings.offload_param_device
+    opt_device, param_device = settings.offload.optimizer_device, settings.offload.param_device
     return (
         f"DeepSpeed info: version={COMPAT_VERSION}, git-hash=None, git-branch=None "
         f"(zerorun: zero stage={settings.stage}, precision={precision}, "
@@ -138,9 +138,13 @@ def initialize(
 
     cfg = _config_dict(args, config, config_params)
     if torch.distributed.is_available() and torch.distributed.is_initialized():
+        from zerorun.compat import accelerate_cpu
+
         device = os.environ.get("ZERORUN_DEVICE")
         cuda = device == "cuda" or (device is None and torch.cuda.is_available())
-        check_not_accelerate_on_cpu_ranks(dict(os.environ), torch.distributed.get_world_size(), cuda)
+        # On zerorun's CPU ranks accelerate is patched to count every process (accelerate_cpu.py).
+        if not accelerate_cpu.wanted():
+            check_not_accelerate_on_cpu_ranks(dict(os.environ), torch.distributed.get_world_size(), cuda)
     runtime_cfg = _runtime_view(cfg)
     if optimizer is not None and _elementwise_standin(optimizer):
         runtime_cfg = dict(runtime_cfg, zero_allow_untested_optimizer=True)
