@@ -88,6 +88,12 @@ def _section_is_off(value: Any) -> bool:
 def _notices(raw: RawConfig, config: ZerorunConfig) -> list[str]:
     notices: list[tuple[tuple[int, int], str]] = []
     for path, holder, name in set_keys(config):
+        if path == ("checkpoint", "writer") and getattr(holder, name) is not None:
+            text = (
+                f"{raw.where(path)}: DeepSpeed's checkpoint writer has no effect; zerorun's asynchronous saves are "
+                "zerorun.checkpoint.async (with every_n_steps; docs/fault-tolerance.md)"
+            )
+            notices.append((raw.locations.get(path, (10**9, 0)), text))
         if path == ("amp",) or len(path) > 1 and path[0] in _ACCEPTED_SECTIONS:
             continue  # amp gets a warning of its own; keys inside an accepted section: one notice per section
         extra = _extra(type(holder), name)

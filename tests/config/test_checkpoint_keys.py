@@ -1,0 +1,64 @@
+"""`zerorun.checkpoint` (config/zerorun_section.py) and what the runtime makes of it
+(runtime/checkpoint/options.py), DeepSpeed's `checkpoint.writer` notice; pure, no processes."""
+
+from __future__ import annotations
+
+import pytest
+
+from zerorun.config import load_config
+from zerorun.errors import ConfigError, RuntimeConfigError
+from zerorun.runtime.checkpoint.options import CheckpointOptions, checkpoint_options
+
+BASE = {"train_micro_batch_size_per_gpu": 1}
+
+
+def test_checkpoint_section_keys() -> None:
+    cfg = load_config({**BASE, "zerorun": {"checkpoint": {"dir": "/c", "auto_resume": True, "every_n_steps": 5e2, "async": True}}}).config
+    section = cfg.zerorun.checkpoint
+    assert (section.dir, section.auto_resume, section.every_n_steps, section.keep_last) == ("/c", True, 500, 0)
+    assert getattr(section, "async") is True
+    # the JSON the ranks get keeps the key's own name
+    assert cfg.to_dict()["zerorun"]["checkpoint"]["async"] is True
+
+
+@pytest.mark.parametrize(
+    ("section", "words"),
+    [
+        ({"asynch": True}, "Did you mean 'async'"),
+        ({"every_n_steps": -1}, "every_n_steps"),
+        ({"async": "yes"}, "async"),
+    ],
+)
+def test_checkpoint_section_mistakes(section: dict, words: str) -> None:
+    with pytest.raises(ConfigError, match=words):
+        load_config({**BASE, "zerorun": {"checkpoint": section}})
+
+
+def test_deepspeed_checkpoint_writer_points_to_async() -> None:
+    loaded = load_config({**BASE, "checkpoint": {"writer": {"type": "fast", "io_buffer_size": 1000}}})
+    assert any("checkpoint.writer" in n and "zerorun.checkpoint.async" in n for n in loaded.notices), loaded.notices
+
+
+def test_options_from_the_section_and_the_launcher() -> None:
+    section = {"checkpoint": {"dir": "/c", "every_n_steps": 2, "async": True}}
+    assert checkpoint_options(section, env={}) == CheckpointOptions(dir="/c", every_n_steps=2, async_save=True)
+    opts = checkpoint_options(section, env={"ZERORUN_RESUME_FROM": "/r", "ZERORUN_SAVE_ON_PREEMPTION": "1"})
+    assert (opts.load_dir, opts.save_dir, opts.save_on_preemption, opts.active) == ("/r", "/c", True, True)
+    # --resume_from alone: load from there, and save there
+    opts = checkpoint_options(None, env={"ZERORUN_RESUME_FROM": "/r"})
+    assert (opts.load_dir, opts.save_dir, opts.active) == ("/r", "/r", False)
+    # auto_resume without a directory loads nothing
+    assert checkpoint_options({"checkpoint": {"dir": "/c"}}, env={}).load_dir is None
+
+
+@pytest.mark.parametrize(
+    ("section", "env", "what"),
+    [
+        ({"checkpoint": {"auto_resume": True}}, {}, "auto_resume"),
+        ({"checkpoint": {"every_n_steps": 10}}, {}, "every_n_steps"),
+        (None, {"ZERORUN_SAVE_ON_PREEMPTION": "1"}, "--save_on_preemption"),
+    ],
+)
+def test_options_without_a_directory_are_an_error_naming_the_fix(section: dict | None, env: dict, what: str) -> None:
+    with pytest.raises(RuntimeConfigError, match=f"{what}.*needs a checkpoint directory.*zerorun.checkpoint.dir"):
+        checkpoint_options(section, env=env)
