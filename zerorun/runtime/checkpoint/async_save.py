@@ -49,11 +49,12 @@ log = logging.getLogger("zerorun.checkpoint")
 
 
 def side_group(timeout_s: float | None = None) -> Any:
-    """A gloo group of every rank for the background writer; None without a process group.
-    Collective: every rank calls it, at the same point (initialize)."""
+    """A gloo group of every rank for the background writer (also at world size 1: the writer
+    must never issue collectives on the training thread's group); None without a process
+    group. Collective: every rank calls it, at the same point (initialize)."""
     import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    if not (dist.is_available() and dist.is_initialized()):
         return None
     kwargs: dict[str, Any] = {"backend": "gloo"}
     if timeout_s:
