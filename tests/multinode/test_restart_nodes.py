@@ -1,11 +1,14 @@
-"""--max_restarts with --exclude_failed_nodes on the fake cluster (launch/restart.py): a node's
-link drops in the middle of training; the launcher loses it (short heartbeat timeout), stops
-the other node, and the second attempt runs on the remaining node at half the world size,
-resuming from the last periodic checkpoint, to the end."""
+"""Fault tolerance on the fake cluster. --max_restarts with --exclude_failed_nodes
+(launch/restart.py): a node's link drops in the middle of training; the launcher loses it
+(short heartbeat timeout), stops the other node, and the second attempt runs on the remaining
+node at half the world size, resuming from the last periodic checkpoint, to the end.
+--save_on_preemption: SIGTERM to one node's agent (as a scheduler stopping that node would)."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
 from pathlib import Path
 
@@ -19,17 +22,57 @@ WORKER = REPO / "tests" / "runtime" / "checkpoint" / "_ft_worker.py"
 STEPS = 12
 
 
-def test_lost_node_is_left_out_and_the_job_resumes_on_the_rest(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    node1, node2 = cluster.nodes[:2]
-    out = tmp_path / "out"
-    out.mkdir()
-    config = {
+def _config(out: Path) -> dict:
+    return {
         "train_micro_batch_size_per_gpu": 2,
         "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
         "zero_optimization": {"stage": 2, "reduce_bucket_size": 150},
         "steps_per_print": 1000,
         "zerorun": {"checkpoint": {"dir": str(out / "ckpt"), "auto_resume": True, "every_n_steps": 2}},
     }
+
+
+def _wait_for_steps(out: Path, launch: Launch, steps: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    losses = out / "losses_rank0.jsonl"
+    while not (losses.exists() and len(losses.read_text().splitlines()) >= steps):
+        assert time.monotonic() < deadline and launch.proc.poll() is None, launch.output
+        time.sleep(0.1)
+
+
+def test_sigterm_to_a_node_agent_saves_on_every_node(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """With --save_on_preemption the agent passes SIGTERM to its rank instead of killing it; the
+    ranks of both nodes agree on a step, save it and exit 75; the launcher says so."""
+    node1, node2 = cluster.nodes[:2]
+    out = tmp_path / "out"
+    out.mkdir()
+    launch = Launch(
+        ["--hostfile", str(cluster.dir / "hostfile"), "--include", "node1:0@node2:0", "--device", "cpu",
+         "--pg_timeout", "60", "--grace_period", "3", "--save_on_preemption",
+         "--env", f"FT_CONFIG={json.dumps(_config(out))}", "--env", f"FT_OUT={out}",
+         "--env", f"FT_STEPS={STEPS}", "--env", "FT_SLOW=0.3", str(WORKER)],
+        env=launcher_env(cluster),
+        cwd=tmp_path,
+    )
+    _wait_for_steps(out, launch, 3, 120)
+    agents = [p for p in node2.job_pids() if b"zerorun.launch.agent" in Path(f"/proc/{p}/cmdline").read_bytes()]
+    assert len(agents) == 1, describe({"node2": node2.job_pids()})
+    os.kill(agents[0], signal.SIGTERM)
+    code = launch.finish(90)
+    output = launch.output
+    assert code == 75, output
+    saved = (out / "ckpt" / "latest").read_text()
+    assert f"preempted; checkpoint {saved} saved" in output and "rank 1 got SIGTERM" in output, output
+    assert int(saved.removeprefix("global_step")) >= 3
+    left = wait_clean([node1, node2], 10)
+    assert not left, describe(left)
+
+
+def test_lost_node_is_left_out_and_the_job_resumes_on_the_rest(cluster, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    node1, node2 = cluster.nodes[:2]
+    out = tmp_path / "out"
+    out.mkdir()
+    config = _config(out)
     logs = tmp_path / "logs"
     launch = Launch(
         ["--hostfile", str(cluster.dir / "hostfile"), "--include", "node1:0@node2:0", "--device", "cpu",
@@ -39,12 +82,9 @@ def test_lost_node_is_left_out_and_the_job_resumes_on_the_rest(cluster, tmp_path
         env=launcher_env(cluster, ZERORUN_SSH_HEARTBEAT_TIMEOUT="5"),
         cwd=tmp_path,
     )
+    losses = out / "losses_rank0.jsonl"
     try:
-        deadline = time.monotonic() + 120
-        losses = out / "losses_rank0.jsonl"
-        while not (losses.exists() and len(losses.read_text().splitlines()) >= 5):
-            assert time.monotonic() < deadline and launch.proc.poll() is None, launch.output
-            time.sleep(0.1)
+        _wait_for_steps(out, launch, 5, 120)
         cluster.link(node2, up=False)
         code = launch.finish(180)
     finally:

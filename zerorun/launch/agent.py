@@ -10,7 +10,9 @@ SSH channel without a pty leaves the remote command running):
 - no message from the launcher for `heartbeat_timeout_s` (a dropped link closes nothing)
   -> SIGKILL every rank, exit; a rank blocked in a collective would otherwise wait out
   its process-group timeout;
-- SIGTERM / SIGHUP to the agent -> the same;
+- SIGTERM / SIGHUP to the agent -> the same; except SIGTERM with `--save_on_preemption`
+  (`plan.preemption_grace` set): it goes to each rank alone, which saves a checkpoint and exits
+  75 (reported as usual), and only ranks still alive after the grace period are killed;
 - its stdout (the channel) breaks -> the same.
 Ranks carry the agent's pid as their launcher (`ZERORUN_LAUNCHER_PID`), so the shim's
 parent-death signal ties them to the agent even if it is SIGKILLed.
@@ -69,6 +71,7 @@ class Agent:
     ) -> None:
         self.channel = _Channel(channel_fd, self.die)
         self.runner: Any = None
+        self.plan: Any = None
         self.last_heard = time.monotonic()
         self.heartbeat_s = 1.0
         self.heartbeat_timeout_s = _PRE_PLAN_TIMEOUT_S
@@ -91,6 +94,20 @@ class Agent:
         print(f"zerorun agent on {socket.gethostname()}: {why}", file=sys.stderr, flush=True)
         self.dead = True
         self._exit(code)
+
+    def preempt(self) -> None:
+        """SIGTERM with --save_on_preemption: the ranks save and exit by themselves (their exits
+        reach the launcher as usual); whatever is left after the grace period is killed."""
+        grace = getattr(self.plan, "preemption_grace", None)
+        if self.runner is None or grace is None:
+            self.die("got SIGTERM; killed this node's ranks")
+            return
+        print(f"zerorun agent on {socket.gethostname()}: got SIGTERM; the ranks save and exit ({grace:g} s)",
+              file=sys.stderr, flush=True)
+        self.runner.signal(signal.SIGTERM, tree=False)
+        timer = threading.Timer(grace, self.die, args=(f"the ranks did not exit within {grace:g} s of SIGTERM; killed them",))
+        timer.daemon = True
+        timer.start()
 
     def watchdog(self) -> None:
         while True:
@@ -148,6 +165,7 @@ class Agent:
         else:
             runner = LocalRunner(plan, node, python=sys.executable, environ=os.environ)
         self.runner = runner
+        self.plan = plan
         try:
             runner.start(sink)
         except ZerorunError as err:
@@ -300,8 +318,9 @@ def main() -> None:
         os.dup2(2, 1)
         stream = sys.stdin.buffer
     agent = Agent(channel_fd)
-    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+    for sig in (signal.SIGHUP, signal.SIGINT):
         signal.signal(sig, lambda signum, _f: agent.die(f"got {signal.Signals(signum).name}; killed this node's ranks"))
+    signal.signal(signal.SIGTERM, lambda _s, _f: agent.preempt())
     _become_subreaper()
     agent.serve(stream)
 

@@ -99,20 +99,9 @@ def run_job(options: LaunchOptions, console: Console | None = None) -> JobResult
         grace_period=job.options.grace_period,
         hang_timeout=job.options.hang_timeout,
         log_dir=job.options.log_dir,
-        preemption_grace=_preemption_grace(job.options),
+        preemption_grace=plan.preemption_grace,
     )
     return supervisor.run()
-
-
-# Slurm's default KillWait and Kubernetes' default termination grace are both 30 s.
-DEFAULT_PREEMPTION_GRACE_S = 25.0
-
-
-def _preemption_grace(options: LaunchOptions) -> float | None:
-    """With --save_on_preemption, how long the ranks get to save after SIGTERM; else None."""
-    if not options.save_on_preemption:
-        return None
-    return options.preemption_grace if options.preemption_grace is not None else DEFAULT_PREEMPTION_GRACE_S
 
 
 def plan_job(options: LaunchOptions) -> PlannedJob:

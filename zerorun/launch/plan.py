@@ -46,6 +46,8 @@ Device = Literal["auto", "cuda", "cpu"]
 DEFAULT_PG_TIMEOUT_S = 600.0
 DEFAULT_GRACE_S = 5.0
 DEFAULT_CPU_RANKS = 2
+# --save_on_preemption: Slurm's default KillWait and Kubernetes' default grace are both 30 s.
+DEFAULT_PREEMPTION_GRACE_S = 25.0
 
 
 @dataclass(frozen=True)
@@ -207,6 +209,9 @@ class LaunchPlan:
     # (ZERORUN_RESUME_FROM), and SIGTERM = save and exit (ZERORUN_SAVE_ON_PREEMPTION).
     resume_from: str | None = None
     save_on_preemption: bool = False
+    # With save_on_preemption: seconds the ranks get to save after SIGTERM (the supervisor's and
+    # a node agent's deadline before SIGKILL); None otherwise.
+    preemption_grace: float | None = None
 
     @property
     def ranks(self) -> list[RankSpec]:
@@ -410,6 +415,9 @@ def build_plan(
         deepspeed_compat=bool(options.deepspeed_compat),
         resume_from=os.path.abspath(options.resume_from) if options.resume_from else None,
         save_on_preemption=bool(options.save_on_preemption),
+        preemption_grace=(
+            (options.preemption_grace or DEFAULT_PREEMPTION_GRACE_S) if options.save_on_preemption else None
+        ),
     )
 
 
