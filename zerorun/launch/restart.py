@@ -30,6 +30,7 @@ exit code -- the last attempt's.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -197,6 +198,15 @@ def without_nodes(options: LaunchOptions, hosts: list[str]) -> LaunchOptions:
     return replace(options, exclude="@".join(parts + [h for h in hosts if h not in parts]))
 
 
+def _single_machine(options: LaunchOptions) -> bool:
+    """Whether this launcher alone picks the master port: a job on this machine only. With a
+    hostfile the preflight checks the port on the master; in per-node mode and under Slurm the
+    nodes must agree on it, so it is never changed here."""
+    if options.hostfile is not None or options.nnodes is not None or options.launcher not in (None, "auto", "local"):
+        return False
+    return options.launcher == "local" or not any(k in os.environ for k in ("SLURM_JOB_ID", "SLURM_JOBID"))
+
+
 def run_with_restarts(
     options: LaunchOptions,
     *,
@@ -228,7 +238,7 @@ def run_with_restarts(
         attempt_opts = replace(current, run_id=None)
         if root is not None:
             attempt_opts = replace(attempt_opts, log_dir=str(root / f"attempt{number}"))
-        if number > 1 and options.master_port is not None and options.hostfile is None and not port_is_free(options.master_port):
+        if number > 1 and options.master_port is not None and _single_machine(options) and not port_is_free(options.master_port):
             _say(f"--master_port {options.master_port} is still held; attempt {number} uses a free port")
             attempt_opts = replace(attempt_opts, master_port=None)
         _say(f"attempt {number}/{total}" + (" (restart)" if number > 1 else ""))
