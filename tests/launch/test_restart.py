@@ -319,8 +319,11 @@ def test_sigterm_with_save_on_preemption_saves_exits_75_and_resumes(tmp_path: Pa
     assert summary["reason"] == "preempted" and summary["exit_code"] == PREEMPTED_EXIT_CODE
     assert not (out / "final").exists()
 
-    # The next submission: the same command resumes from that checkpoint and finishes.
-    code, _stdout, err, tag = run(["--num_gpus", "4", str(WORKER)], env=env, timeout=180)
+    # The next submission resumes from that checkpoint and finishes: named with --resume_from
+    # (a tag directory; it wins over the config's auto_resume for loading).
+    code, _stdout, err, tag = run(
+        ["--num_gpus", "4", "--resume_from", str(out / "ckpt" / saved), str(WORKER)], env=env, timeout=180
+    )
     assert code == 0, err[-4000:]
     assert f"resumed from {out / 'ckpt' / saved} at step {step}" in err
     # Every step's loss equals the uninterrupted run's; the preempted step's loss was never

@@ -32,6 +32,7 @@ import torch
 from . import atomic
 from .async_save import AsyncSaver, side_group
 from .engine_view import EngineCheckpointView
+from .format import META_FILE
 from .options import PREEMPTED_EXIT_CODE, CheckpointOptions
 from .sharded import save_checkpoint
 
@@ -141,7 +142,8 @@ class EngineCheckpointing:
         load_dir = self.options.load_dir
         if load_dir is None:
             return None
-        if not (Path(load_dir) / "latest").is_file():
+        # `latest` of a checkpoint directory, or a tag directory itself (--resume_from ckpt/global_step100)
+        if not ((Path(load_dir) / "latest").is_file() or (Path(load_dir) / META_FILE).is_file()):
             _say(e.comm.rank, f"no checkpoint in {load_dir} yet: starting from the beginning")
             return None
         path, client_state = e.load_checkpoint(load_dir)
