@@ -45,6 +45,8 @@ __all__ = [
     "GB",
     "GIB",
     "parse_count",
+    "offload_budget_numel",
+    "twin_flow_device_bytes",
 ]
 
 TERMS = ("params", "grads", "master", "optimizer_states")
@@ -53,7 +55,8 @@ GB = 1e9
 GIB = float(2**30)
 Offload = Literal["none", "cpu", "nvme"]
 # One placed term: (term, device, bytes per element, partitioned i.e. ×Ψ/N rather than ×Ψ).
-Piece = tuple[str, str, int, bool]
+# Bytes per element are fractional with a partial offload (offload_optimizer.ratio).
+Piece = tuple[str, str, float, bool]
 # Gradient staging buffers alive at once from stage 2 on (runtime/grad_reduce.py: max_inflight
 # collectives outstanding + the buffer being filled).
 _REDUCE_STAGING = 3
@@ -158,6 +161,9 @@ class Estimate:
     formulas: dict[str, str] = field(default_factory=dict)  # term -> "4Ψ/N on gpu + 4Ψ/N on cpu"
     notes: tuple[str, ...] = ()
     pieces: tuple[Piece, ...] = ()  # (term, device, bytes per element, partitioned)
+    # Share of master + optimizer states (and of their step) on the host with optimizer offload
+    # to cpu (offload_optimizer.ratio, "auto" resolved); 1.0: all of it.
+    offload_ratio: float = 1.0
 
     def model_states(self, device: str) -> float:
         """Bytes of model states on `device` ("gpu", "cpu", "nvme") per rank at their peak:
@@ -181,7 +187,7 @@ class Estimate:
         """The model states on `device` as a formula: '2Ψ + 14Ψ/N' (replicated + partitioned)."""
         whole = sum(w for _, d, w, p in self.pieces if d == device and not p)
         part = sum(w for _, d, w, p in self.pieces if d == device and p)
-        pieces = ([f"{whole}Ψ"] if whole else []) + ([f"{part}Ψ/N"] if part else [])
+        pieces = ([f"{_w(whole)}Ψ"] if whole else []) + ([f"{_w(part)}Ψ/N"] if part else [])
         return " + ".join(pieces) or "0"
 
     def as_dict(self) -> dict[str, Any]:
@@ -191,6 +197,7 @@ class Estimate:
             "stage": self.stage,
             "offload_optimizer": self.offload_optimizer,
             "offload_param": self.offload_param,
+            "offload_ratio": self.offload_ratio,
             "precision": self.bytes_per_element.precision,
             "optimizer": self.bytes_per_element.optimizer,
             "bytes_per_element": {t: getattr(self.bytes_per_element, t) for t in TERMS},
@@ -222,6 +229,36 @@ def _as_config(config: Any) -> Any:
     raise TypeError(f"config must be a ZerorunConfig, LoadedConfig or dict, not {type(config).__name__}")
 
 
+def _w(width: float) -> str:
+    return f"{width:.3g}"
+
+
+def twin_flow_device_bytes(bpe: BytesPerElement) -> int:
+    """GPU bytes per shard element of the part of the optimizer a partial offload keeps on the
+    GPU: the fp32 master (none in fp32 training: the parameter shard is the master) + states."""
+    return bpe.master + bpe.optimizer_states
+
+
+def offload_budget_numel(config: Any) -> int:
+    """Shard elements per rank whose master + optimizer states fit ``zerorun.offload_gpu_budget_gb``
+    (``offload_optimizer.ratio: "auto"``); the runtime keeps that many on the GPU, the estimate too."""
+    cfg = _as_config(config)
+    budget = float(cfg.zerorun.offload_gpu_budget_gb) * GB
+    width = twin_flow_device_bytes(BytesPerElement.from_config(cfg))
+    return int(budget // width) if width else 2**62
+
+
+def _host_share(cfg: Any, stage: int, num_params: int, n: int) -> float:
+    """The host's share of master + optimizer states per rank (offload_optimizer.ratio)."""
+    ratio = cfg.zero_optimization.offload_optimizer.ratio
+    if ratio != "auto":
+        return float(ratio)
+    shard = num_params / n if stage >= 1 else float(num_params)
+    if shard <= 0:
+        return 1.0
+    return max(0.0, 1.0 - min(shard, offload_budget_numel(cfg)) / shard)
+
+
 def _zero_size(zero: Any, name: str) -> int:
     """A ``zero_optimization`` size as the runtime takes it: unset or ``auto`` is the schema's
     default (written once, in config/zero_section.py)."""
@@ -239,6 +276,7 @@ def model_state_bytes(
     stage: int | None = None,
     offload_optimizer: Offload | None = None,
     offload_param: Offload | None = None,
+    offload_ratio: float | None = None,
     largest_layer: int | None = None,
     bytes_per_element: BytesPerElement | None = None,
 ) -> Estimate:
@@ -248,7 +286,9 @@ def model_state_bytes(
     stage, offload and bucket sizes; keyword arguments override it. Without a config: the
     ZeRO paper's model (2 + 2 + 12 bytes per element), stage 0, no offload, DeepSpeed's
     default buckets. `largest_layer` (elements) adds the stage-3 working set of one gathered
-    layer to the GPU buffers.
+    layer to the GPU buffers. `offload_ratio` (with `offload_optimizer` cpu): the host's share of
+    master + optimizer states (and of the host gradient copy); the config's
+    `offload_optimizer.ratio` by default, `"auto"` resolved with `zerorun.offload_gpu_budget_gb`.
     """
     if num_params < 0:
         raise ValueError(f"num_params must be >= 0, got {num_params}")
@@ -273,7 +313,19 @@ def model_state_bytes(
     opt_dev, par_dev = acting
 
     psi, n = float(num_params), world_size
-    pieces = _pieces(stage, bpe, opt_dev, par_dev)
+    ratio = 1.0
+    if opt_dev == "cpu":
+        if offload_ratio is not None:
+            ratio = float(offload_ratio)
+        elif cfg is not None:
+            ratio = _host_share(cfg, stage, num_params, n)
+    if ratio < 1.0:
+        notes.append(
+            f"partial offload (Twin-Flow): {ratio:.3g} of the fp32 masters and optimizer states (and the host "
+            f"gradient copy) on the host, {1 - ratio:.3g} on the GPU; the runtime splits by whole flat buffers, "
+            "so its host share is at least this, within one flat buffer"
+        )
+    pieces = _pieces(stage, bpe, opt_dev, par_dev, ratio)
     if any(term == "params" and width == 0 for term, _, width, _ in pieces) and bpe.params:
         notes.append(
             "stage 3 with master and parameter slices on the GPU: the fp32 master slice is the at-rest "
@@ -283,7 +335,7 @@ def model_state_bytes(
     texts: dict[str, list[str]] = {term: [] for term in TERMS}
     for term, device, width, part in pieces:
         terms[device][term] += width * (psi / n if part else psi)
-        texts[term].append(f"{f'{width}Ψ' if width else '0'}{'/N' if part and width else ''} on {device}")
+        texts[term].append(f"{f'{_w(width)}Ψ' if width else '0'}{'/N' if part and width else ''} on {device}")
     formulas = {term: " + ".join(texts[term]) for term in TERMS}
 
     buffers = _buffers(num_params, stage, bpe, zero, opt_dev, par_dev, n, largest_layer, notes)
@@ -304,10 +356,11 @@ def model_state_bytes(
         formulas=formulas,
         notes=tuple(notes),
         pieces=tuple(pieces),
+        offload_ratio=ratio,
     )
 
 
-def _pieces(stage: int, bpe: BytesPerElement, opt_dev: Offload, par_dev: Offload) -> list[Piece]:
+def _pieces(stage: int, bpe: BytesPerElement, opt_dev: Offload, par_dev: Offload, ratio: float = 1.0) -> list[Piece]:
     """Where each term lives and how wide it is, following the runtime as built (Contract 4).
 
     * params: replicated 16-bit buffers at stages 0-2; at stage 3 a slice per rank -- except
@@ -321,6 +374,9 @@ def _pieces(stage: int, bpe: BytesPerElement, opt_dev: Offload, par_dev: Offload
     * master, optimizer_states: on the GPU, or with the optimizer on the host/NVMe. fp32
       training keeps no master on the GPU (the parameter shard is the master) but an offloaded
       optimizer steps on an fp32 host master.
+    * a partial offload (ratio r < 1, device cpu) keeps r of master, states and host gradient
+      copy on the host and the rest of master and states on the GPU (the GPU part's master is
+      the parameter shard in fp32 training, as without offload).
     """
     opt_where = {"none": "gpu", "cpu": "cpu", "nvme": "nvme"}[opt_dev]
     par_where = {"none": "gpu", "cpu": "cpu", "nvme": "nvme"}[par_dev]
@@ -332,6 +388,14 @@ def _pieces(stage: int, bpe: BytesPerElement, opt_dev: Offload, par_dev: Offload
         ("params", par_where, 0 if master_is_param else bpe.params, stage >= 3),
         ("grads", "gpu", bpe.grads, stage >= 2),
     ]
+    if opt_dev == "cpu" and ratio < 1.0:
+        return pieces + [
+            ("grads", "cpu", 4 * ratio, True),
+            ("master", "gpu", bpe.master * (1 - ratio), stage >= 1),
+            ("master", "cpu", master_width * ratio, stage >= 1),
+            ("optimizer_states", "gpu", bpe.optimizer_states * (1 - ratio), stage >= 1),
+            ("optimizer_states", "cpu", bpe.optimizer_states * ratio, stage >= 1),
+        ]
     if opt_dev != "none":
         pieces.append(("grads", "cpu", 4, True))
     pieces += [

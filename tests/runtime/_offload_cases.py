@@ -19,6 +19,8 @@ class OCase:
     model: str = "tiny"  # tiny (awkward features) | wide (shards > 1024 elements: several NVMe tiles)
     steps: int = 3
     inject: tuple[tuple[int, int], ...] = ()
+    ratio: float | str = 1.0  # offload_optimizer.ratio (Twin-Flow); "auto" with budget_gb
+    budget_gb: float = 0.0  # zerorun.offload_gpu_budget_gb
 
     @property
     def name(self) -> str:
@@ -33,6 +35,8 @@ class OCase:
             parts.append(self.model)
         if self.inject:
             parts.append("overflow")
+        if self.ratio != 1.0:
+            parts.append(f"ratio{self.ratio:g}" if self.ratio != "auto" else f"ratio-auto{self.budget_gb:g}")
         return "-".join(parts)
 
     def to_dict(self) -> dict:
@@ -77,6 +81,14 @@ def matrix(world: int) -> list[OCase]:
         OCase(3, "bf16", delayed=True, steps=4, model="wide"),
         OCase(2, "fp32", clip=CLIP, device="nvme", delayed=True, model="wide", steps=4),
         OCase(2, "fp16", clip=CLIP, steps=4, inject=((1, world - 1),)),
+        # Twin-Flow: part of the masters and states on the device, stepped there concurrently.
+        OCase(1, "fp32", ratio=0.5),
+        OCase(1, "bf16", accum=2, clip=CLIP, ratio=0.5),
+        OCase(2, "bf16", ratio=0.4),
+        OCase(2, "fp32", clip=CLIP, ratio=0.7),
+        OCase(2, "bf16", clip=CLIP, ratio="auto", budget_gb=1.2e-6),  # 100 elements on the device
+        OCase(3, "bf16", clip=CLIP, ratio=0.5, model="wide"),
+        OCase(3, "fp32", ratio=0.3, model="wide"),
     ]
     return cases
 
@@ -89,4 +101,5 @@ def resume_cases(world: int) -> list[OCase]:
         OCase(2, "bf16", device="nvme", model="wide"),
         OCase(1, "fp32", device="cpu"),
         OCase(2, "bf16", device="cpu", delayed=True),
+        OCase(3, "bf16", device="cpu", model="wide", ratio=0.5),  # Twin-Flow: states on both devices
     ]

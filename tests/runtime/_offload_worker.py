@@ -85,6 +85,8 @@ def config_for(case: oc.OCase, nvme_dir: str) -> dict:
             "nvme_path": nvme_dir,
             "buffer_count": 3,
         }
+        if case.ratio != 1.0:
+            zero["offload_optimizer"]["ratio"] = case.ratio
     if case.param != "none":
         zero["offload_param"] = {"device": case.param, "pin_memory": True, "nvme_path": nvme_dir}
     cfg: dict = {
@@ -96,6 +98,8 @@ def config_for(case: oc.OCase, nvme_dir: str) -> dict:
         "steps_per_print": 1000,
         "zerorun": {"delayed_param_update": case.delayed, "delayed_param_update_warmup": case.warmup},
     }
+    if case.budget_gb:
+        cfg["zerorun"]["offload_gpu_budget_gb"] = case.budget_gb
     if case.stage == 3:
         zero["stage3_param_persistence_threshold"] = 0
         cfg["zerorun"]["stage3_group_min_numel"] = 50  # TinyNet: 5+ partitioned groups
@@ -224,6 +228,13 @@ def run_case(case: oc.OCase, rank: int, world: int, nvme_dir: str) -> dict | Non
         "store_fetches": getattr(store, "fetches", None),
         "files": sorted(os.listdir(files_dir)) if files_dir else [],
         "direct_io": getattr(getattr(placement, "files", None), "direct", None),
+        # Twin-Flow: which masters stayed on the device, the host's share of the elements
+        "on_device": list(getattr(placement, "on_device", [])),
+        "host_share": getattr(placement, "host_share", 1.0),
+        "device_numel": sum(
+            m.numel() for m, d in zip(engine.stage.state.masters, getattr(placement, "on_device", []), strict=False) if d
+        ),
+        "device_budget_numel": getattr(getattr(placement, "opts", None), "device_budget_numel", 0),
     }
     compute = compute_params(model, case.stage)
     engine.destroy()

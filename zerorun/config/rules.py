@@ -68,7 +68,8 @@ def open_autos(config: ZerorunConfig) -> list[str]:
                 visit(v, (*path, i))
 
     visit(config.to_dict(only_set=True), ())
-    return out
+    # zerorun resolves this "auto" itself (a zerorun extension: offload_gpu_budget_gb).
+    return [p for p in out if p != "zero_optimization.offload_optimizer.ratio"]
 
 
 def _is_default(model: BaseModel, name: str) -> bool:
@@ -204,6 +205,9 @@ def _offload_rules(raw: RawConfig, config: ZerorunConfig) -> tuple[list[str], li
             f"{raw.where(('zero_optimization', 'sub_group_size'))} = {zero.sub_group_size}: the optimizer step "
             "with offload_optimizer runs in tiles of this many elements; give at least 1"
         )
+    ratio_errors, ratio_warnings = _ratio_rules(raw, config, acting[0])
+    errors += ratio_errors
+    warnings += ratio_warnings
     for name, device in zip(("offload_optimizer", "offload_param"), acting, strict=True):
         section = getattr(zero, name)
         if device != "nvme":
@@ -219,6 +223,45 @@ def _offload_rules(raw: RawConfig, config: ZerorunConfig) -> tuple[list[str], li
                 f"{raw.where((*path, 'nvme_path'))} = {section.nvme_path!r} does not exist on this machine "
                 "(fine if it exists on the training nodes)"
             )
+    return errors, warnings
+
+
+def _ratio_rules(raw: RawConfig, config: ZerorunConfig, opt_dev: str) -> tuple[list[str], list[str]]:
+    """``offload_optimizer.ratio`` (Twin-Flow) and its zerorun extension ``"auto"`` with
+    ``zerorun.offload_gpu_budget_gb`` (docs/offload.md)."""
+    errors: list[str] = []
+    warnings: list[str] = []
+    zero = config.zero_optimization
+    ratio = zero.offload_optimizer.ratio
+    budget = config.zerorun.offload_gpu_budget_gb
+    where = raw.where(("zero_optimization", "offload_optimizer", "ratio"))
+    budget_where = raw.where(("zerorun", "offload_gpu_budget_gb"))
+    partial = ratio == AUTO or ratio < 1.0
+    if partial and opt_dev == "nvme":
+        errors.append(
+            f"{where} = {_show(ratio)}: partial optimizer offload keeps part of the states on the GPU and the rest "
+            "in host memory; it works with offload_optimizer.device 'cpu', not 'nvme' (remove ratio, or use cpu)"
+        )
+    if partial and opt_dev != "none" and config.zerorun.delayed_param_update:
+        errors.append(
+            f"{where} = {_show(ratio)} with {raw.where(('zerorun', 'delayed_param_update'))}: the delayed update "
+            "is not built for a partial offload (the GPU part would step without the delay); use one of the two"
+        )
+    if partial and opt_dev == "none" and zero.offload_optimizer.device == "none":
+        warnings.append(f"{where} = {_show(ratio)}: no effect without offload_optimizer.device 'cpu'")
+    if ratio == AUTO:
+        if budget <= 0:
+            errors.append(
+                f"{where} = \"auto\" needs {budget_where}: the GPU memory per rank (GB) the optimizer's fp32 "
+                "masters and states may take; zerorun keeps that much on the GPU and offloads the rest"
+            )
+        elif opt_dev == "cpu":
+            warnings.append(
+                f"{where} = \"auto\" is a zerorun extension (DeepSpeed wants a number): the largest GPU share of "
+                f"the optimizer states that fits {budget_where} = {budget:g} GB per rank"
+            )
+    elif budget > 0:
+        warnings.append(f"{budget_where} = {budget:g}: no effect unless offload_optimizer.ratio is \"auto\"")
     return errors, warnings
 
 

@@ -60,10 +60,28 @@ class OffloadOptimizer(Section):
     pipeline_read: Flag = field(False, "Overlap reading the next NVMe tile with the current optimizer step.", acted_on=False)
     pipeline_write: Flag = field(False, "Overlap writing the previous NVMe tile with the current optimizer step.", acted_on=False)
     fast_init: Flag = field(False, "Fast optimizer initialisation when offloading to NVMe.", acted_on=False)
-    ratio: Real = field(1.0, "Fraction of the optimizer step run on the CPU (DeepSpeed: stage 3 only).", ge=0.0, le=1.0, acted_on=False)
+    ratio: Real | Auto = field(
+        1.0,
+        "Twin-Flow partial offload: the fraction (0..1) of each rank's optimizer states (and of their step) kept "
+        "on the host; the rest stays on the GPU and steps there, concurrently with the CPU part. Exact math. "
+        "zerorun: stages 1-3 with `device: cpu`, split by whole flat buffers (docs/offload.md); DeepSpeed: stage 3 "
+        "only, split by `sub_group_size` groups. `\"auto\"` (a zerorun extension): the largest GPU share that fits "
+        "`zerorun.offload_gpu_budget_gb`.",
+    )
     super_offload: Flag = field(False, "DeepSpeed's Superchip offload mode.", acted_on=False)
     convert_grad_on_cpu: Flag = field(True, "Convert gradients to fp32 on the CPU rather than the GPU.", acted_on=False)
     cpuadam_cores_perc: Real = field(0.8, "Share of CPU cores DeepSpeed's CPU Adam uses with super_offload.", ge=0.0, le=1.0, acted_on=False)
+
+
+    @field_validator("ratio")
+    @classmethod
+    def _ratio_range(cls, value: Any) -> Any:
+        if value != "auto" and not 0.0 <= value <= 1.0:
+            raise ValueError(
+                f"{value} is not a fraction: give the share of optimizer states kept on the host, from 0 "
+                "(all on the GPU) to 1 (all on the host, the default), or \"auto\""
+            )
+        return value
 
 
 class ZeroOptimization(Section):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pydantic import create_model
 
-from zerorun.config.types import Count, Flag, Real, field
+from zerorun.config.types import Count, Flag, NonNegReal, Real, field
 from zerorun.config.zero_section import Section
 
 __all__ = ["CheckpointSection", "ZerorunSection"]
@@ -98,6 +98,12 @@ class ZerorunSection(Section):
     )
     delayed_param_update_warmup: Count = field(
         0, "Optimizer steps taken without the delay before `delayed_param_update` starts.", ge=0
+    )
+    offload_gpu_budget_gb: NonNegReal = field(
+        0.0,
+        "GPU memory (GB, 1e9 bytes) per rank that `offload_optimizer.ratio: \"auto\"` may fill with fp32 master and "
+        "optimizer-state shards; the rest goes to the host (docs/offload.md, Twin-Flow). Required by `\"auto\"`.",
+        stages=(1, 2, 3),
     )
     offload_cpu_threads: Count = field(
         0,

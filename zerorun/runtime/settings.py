@@ -134,6 +134,10 @@ class OffloadSettings:
     delayed_update: bool  # zerorun.delayed_param_update, where it acts (config.rules)
     delayed_warmup: int  # zerorun.delayed_param_update_warmup
     cpu_threads: int  # zerorun.offload_cpu_threads; 0: automatic
+    # Twin-Flow (offload_optimizer.ratio): the share of the optimizer states kept on the host;
+    # None for "auto": the GPU keeps as many shard elements as ``device_budget_numel``.
+    ratio: float | None
+    device_budget_numel: int  # zerorun.offload_gpu_budget_gb / (fp32 master + states bytes)
 
     @property
     def enabled(self) -> bool:
@@ -254,6 +258,7 @@ def settings_from_config(
 ) -> RuntimeSettings:
     """The validated config model (Contract 1, after ``load_config``'s rules) -> RuntimeSettings."""
     from zerorun.config.rules import delayed_update_in_effect, offload_in_effect
+    from zerorun.estimate import offload_budget_numel
 
     micro = _opt_int(cfg.train_micro_batch_size_per_gpu)
     if micro is None and micro_batch_hint is not None:
@@ -324,6 +329,8 @@ def settings_from_config(
             delayed_update=delayed_update_in_effect(cfg),
             delayed_warmup=zr.delayed_param_update_warmup,
             cpu_threads=zr.offload_cpu_threads,
+            ratio=None if zero.offload_optimizer.ratio == "auto" else float(zero.offload_optimizer.ratio),
+            device_budget_numel=offload_budget_numel(cfg),
         ),
         stage3=Stage3Settings(
             persistence_threshold=int(_or_default(zero, "stage3_param_persistence_threshold")),

@@ -69,6 +69,11 @@ class ShardPlacement:
         return None
 
     # Generic hooks with no-op defaults (an offload placement uses them):
+    def plan(self, numels: Sequence[int]) -> None:
+        """The shard sizes of every flat buffer, before the first ``make_master`` (a partial
+        offload decides here which masters stay on the device)."""
+        return None
+
     def grad_ready(self, index: int, grad_shard: torch.Tensor, optimizer: Optimizer | None) -> None:
         """Flat buffer ``index``'s reduced gradient shard is final for this step, during
         backward, ordered into the caller's stream (the stage calls it when it can; it may not).
@@ -135,6 +140,7 @@ class ShardedOptimizerState:
         self.layouts = list(layouts)
         self.shard_index = shard_index
         self.placement = placement
+        placement.plan([p.numel() for p in param_shards])
         self.masters: list[torch.Tensor] = [
             placement.make_master(i, param_shards[i], lambda i=i: fp32_init(i))
             for i in range(len(self.layouts))

@@ -21,6 +21,7 @@ __all__ = ["CpuPlacement"]
 class CpuPlacement(HostPlacement):
     name = "cpu"
     stage_on_host = False  # parameters go up from the (pinned) masters, cast on the GPU
+    partial_ok = True  # Twin-Flow (offload_optimizer.ratio < 1)
 
     def _new_master(self, index: int, numel: int, fp32_init: Callable[[], torch.Tensor]) -> torch.Tensor:
         master = host_empty(numel, torch.float32, pin=self.pin)

@@ -24,6 +24,10 @@ Host memory per rank (shard of N elements): fp32 master 4N, fp32 gradients 4N (p
 optimizer states (Adam 8N), and -- when ``stage_on_host`` -- staging in the parameter dtype
 (pinned); reported in the memory summary under the device ``cpu``.
 
+Twin-Flow (``offload_optimizer.ratio`` < 1, ``twinflow.py``): ``plan`` keeps the masters and
+states of some flat buffers on the training device; those are stepped there by the same fused kernel on
+the training thread, while the worker steps the host part (``_host``), and written back directly.
+
 Subclasses decide where masters and states live (``CpuPlacement``: memory; ``NvmePlacement``:
 files) through ``_new_master``, ``_state_tensor``, ``_tile_size`` and ``_tile_views``.
 """
@@ -32,7 +36,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,6 +48,7 @@ from zerorun.runtime.offload.dpu import DelayPolicy
 from zerorun.runtime.offload.host import Copier, host_empty, tiles
 from zerorun.runtime.offload.options import OffloadOptions
 from zerorun.runtime.offload.runner import StepRunner
+from zerorun.runtime.offload.twinflow import device_buffers
 from zerorun.runtime.sharded_state import ShardPlacement
 
 __all__ = ["HostPlacement", "StepJob", "TileView"]
@@ -84,6 +89,8 @@ class HostPlacement(ShardPlacement):
     # on the GPU after the copy (saves the CPU a conversion pass, ~30% of the Adam time; PCIe
     # carries 4 bytes instead of 2, hidden behind the CPU step).
     stage_on_host = True
+    # Twin-Flow: may some masters and states stay on the device (offload_optimizer.ratio < 1)?
+    partial_ok = False
 
     def __init__(self, opts: OffloadOptions, device: torch.device) -> None:
         self.opts = opts
@@ -102,6 +109,9 @@ class HostPlacement(ShardPlacement):
         self.grads: list[torch.Tensor] = []  # fp32 gradient shards on the host (D2H targets)
         self.staging: list[torch.Tensor | None] = []  # updated shards, parameter dtype (H2D sources)
         self.tiles: list[list[tuple[int, int]]] = []
+        self.on_device: list[bool] = []  # Twin-Flow: this master and its states on the device
+        self._host: list[int] = []  # indices of the masters on the host
+        self._plan: list[bool] | None = None  # from plan(): which masters stay on the device
         self._grad_ev: list[list[Event]] = []
         self._up_ev: list[list[Event]] = []  # last H2D copy out of each staging tile
         self._fresh: list[bool] = []  # staging holds an update its destination has not received
@@ -142,6 +152,17 @@ class HostPlacement(ShardPlacement):
         return None
 
     # -- ShardPlacement -------------------------------------------------------------------------
+    def plan(self, numels: Sequence[int]) -> None:
+        split = self.partial_ok and (self.opts.ratio is None or self.opts.ratio < 1.0)
+        self._plan = device_buffers(numels, self.opts.ratio, self.opts.device_budget_numel) if split else None
+
+    @property
+    def host_share(self) -> float:
+        """The host's share of this rank's master elements (1.0 without Twin-Flow)."""
+        total = sum(m.numel() for m in self.masters)
+        host = sum(self.masters[i].numel() for i in self._host)
+        return host / total if total else 1.0
+
     @property
     def optimizer_device(self) -> torch.device:
         return torch.device("cpu")
@@ -150,6 +171,9 @@ class HostPlacement(ShardPlacement):
         self, index: int, param_shard: torch.Tensor, fp32_init: Callable[[], torch.Tensor]
     ) -> torch.Tensor:
         n = param_shard.numel()
+        if self._plan is not None and self._plan[index]:
+            return self._device_master(param_shard, fp32_init)
+        self._host.append(index)
         master = self._new_master(index, n, fp32_init)
         staging = None
         if self.stage_on_host:
@@ -164,7 +188,47 @@ class HostPlacement(ShardPlacement):
         self._grad_ev.append([None] * len(parts))
         self._up_ev.append([None] * len(parts))
         self._fresh.append(False)
+        self.on_device.append(False)
         return master
+
+    def _device_master(self, param_shard: torch.Tensor, fp32_init: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """A Twin-Flow master kept on the device: the parameter shard itself in fp32 training
+        (as without offload), else an fp32 device copy. No host buffers, no tiles."""
+        if param_shard.dtype == torch.float32 and param_shard.device == self.device:
+            master = param_shard
+        else:
+            master = fp32_init().to(self.device, torch.float32, copy=True)
+        self.masters.append(master)
+        self.grads.append(torch.empty(0))
+        self.staging.append(None)
+        self.tiles.append([])
+        self._grad_ev.append([])
+        self._up_ev.append([])
+        self._fresh.append(False)
+        self.on_device.append(True)
+        return master
+
+    def _step_device(self, job: StepJob) -> None:
+        """Twin-Flow: Adam(W) on the masters kept on the device (training thread; on CUDA the
+        kernels queue on the training stream while the worker steps the host part)."""
+        with torch.no_grad():
+            for i, on_device in enumerate(self.on_device):
+                master = self.masters[i]
+                h, state = job.hypers[i], job.states[i]
+                if not on_device or h is None or state is None or master.grad is None:
+                    continue
+                step = state["step"]
+                if step.device != master.device:  # torch keeps Adam's counter on the CPU
+                    step = torch.full((), float(step), dtype=torch.float32, device=master.device)
+                adam_tile(
+                    master,
+                    master.grad,
+                    state["exp_avg"],
+                    state["exp_avg_sq"],
+                    state.get("max_exp_avg_sq"),
+                    step,
+                    h,
+                )
 
     def grad_ready(self, index: int, grad_shard: torch.Tensor, optimizer: Optimizer | None) -> None:
         """During backward (the stage's reduction hook): with no clipping and no fp16 check the
@@ -173,6 +237,8 @@ class HostPlacement(ShardPlacement):
         step must wait for the global norm: grad_for_step.)"""
         if not self.opts.early_start or optimizer is None or not supports_tiles(optimizer):
             return
+        if self.on_device[index]:
+            return  # Twin-Flow: stepped on the device after the backward
         if self._early is None:
             if self.delay.delayed(self.steps, tiled=True, optimizer_name=type(optimizer).__name__):
                 return  # the delayed step runs after write_back instead
@@ -195,6 +261,8 @@ class HostPlacement(ShardPlacement):
         self._last_down = self._grad_ev[index][-1]
 
     def grad_for_step(self, index: int, grad_shard: torch.Tensor, master: torch.Tensor) -> torch.Tensor:
+        if self.on_device[index]:
+            return grad_shard if grad_shard.dtype == master.dtype else grad_shard.to(master.dtype)
         if self._early is not None:
             if not any(i == index for i, _ in self._early_work):
                 self._copy_down(index, grad_shard)  # no reduction hook for this one
@@ -233,7 +301,10 @@ class HostPlacement(ShardPlacement):
             self._launch = job  # launched by after_write_back, once the previous update is copied
             self.delayed_steps += 1
         else:
-            self.runner.run(lambda: self._update(job, push=True))
+            self.runner.submit(lambda: self._update(job, push=True))
+            if tiled:
+                self._step_device(job)  # concurrently with the host part on the worker
+            self.runner.join()
 
     def _finish_early(self) -> None:
         """The backward is over: queue what had no hook, then copy each flat buffer up as soon
@@ -243,10 +314,11 @@ class HostPlacement(ShardPlacement):
         self.steps += 1
         self.early_steps += 1
         done = {i for i, _ in self._early_work}
-        rest = [i for i in range(len(self.masters)) if i not in done]
+        rest = [i for i in self._host if i not in done]
         if rest:
             future = self.runner.submit(lambda: self._update(job, push=False, indices=rest), queue=True)
             self._early_work += [(i, future) for i in rest]
+        self._step_device(job)  # concurrently with the host part still running on the worker
         self._ready = self.copier.ready()  # parameters may be written once the backward is done
         for i, future in self._early_work:
             future.result()
@@ -267,6 +339,10 @@ class HostPlacement(ShardPlacement):
         self._fresh[index] = False
 
     def write_back(self, index: int, master: torch.Tensor, dst: torch.Tensor) -> None:
+        if self.on_device[index]:
+            if master.data_ptr() != dst.data_ptr():
+                dst.copy_(master)
+            return
         if not self._in_step:
             # Outside a step (e.g. after a checkpoint load wrote the masters): the masters are
             # the truth; refresh the staging copy from them.
@@ -341,11 +417,12 @@ class HostPlacement(ShardPlacement):
                     for ev in row:
                         Copier.wait(ev)
                 job.optimizer.step()  # masters' .grad are the host gradients (state.step set them)
-                for i, m in enumerate(self.masters):
+                for i in self._host:  # (Twin-Flow masters on the device were stepped too)
+                    m = self.masters[i]
                     for k, (a, b) in enumerate(self.tiles[i]):
                         self._stage_tile(i, k, a, b, m[a:b], push)
                 return
-            views = self._tile_views(job, list(range(len(self.masters))) if indices is None else indices)
+            views = self._tile_views(job, list(self._host) if indices is None else indices)
             clock = time.perf_counter
             t0 = clock()
             for t in views:

@@ -1,0 +1,137 @@
+"""Twin-Flow partial offload (offload_optimizer.ratio) in one process: the config rules (range,
+device, delayed update, "auto" and its budget, the zerorun-extension warning, print-config),
+the split rule (twinflow.device_buffers), the settings and the estimate. The runtime's exact
+equivalence with plain PyTorch is in test_offload.py (the ratio cases of _offload_cases)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from zerorun.config import load_config
+from zerorun.errors import ConfigError
+from zerorun.estimate import model_state_bytes, offload_budget_numel
+from zerorun.runtime.offload.options import options_from_settings
+from zerorun.runtime.offload.twinflow import device_buffers
+from zerorun.runtime.settings import settings_from_config
+
+
+def _cfg(ratio: object, *, device: str = "cpu", stage: int = 2, **zr: object) -> dict:
+    off: dict = {"device": device, "ratio": ratio}
+    if device == "nvme":
+        off["nvme_path"] = "/tmp"
+    return {
+        "train_micro_batch_size_per_gpu": 1,
+        "bf16": {"enabled": True},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+        "zero_optimization": {"stage": stage, "offload_optimizer": off},
+        "zerorun": dict(zr),
+    }
+
+
+@pytest.mark.parametrize(
+    ("cfg", "needle"),
+    [
+        (_cfg(1.5), "1.5 is not a fraction"),
+        (_cfg(-0.1), "is not a fraction"),
+        (_cfg("half"), 'expected a number or "auto"'),
+        (_cfg(0.5, device="nvme"), "works with offload_optimizer.device 'cpu', not 'nvme'"),
+        (_cfg(0.5, delayed_param_update=True), "not built for a partial offload"),
+        (_cfg("auto"), '"auto" needs zerorun.offload_gpu_budget_gb'),
+        (_cfg("auto", offload_gpu_budget_gb=-1), "offload_gpu_budget_gb"),
+    ],
+)
+def test_ratio_config_errors(cfg: dict, needle: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(cfg)
+    assert needle in str(err.value)
+
+
+def test_ratio_config_warnings_and_autos() -> None:
+    auto = load_config(_cfg("auto", offload_gpu_budget_gb=2))
+    assert any('"auto" is a zerorun extension' in w for w in auto.warnings), auto.warnings
+    assert auto.open_autos == []  # zerorun resolves it: not an "auto" left for the script
+    assert not auto.notices  # acted on: no "accepted but not acted on" notice
+    plain = load_config(_cfg(0.3))
+    assert plain.warnings == [] and plain.notices == []
+    no_dev = load_config(_cfg(0.3, device="none"))
+    assert any("no effect without offload_optimizer.device 'cpu'" in w for w in no_dev.warnings)
+    stray = load_config(_cfg(1.0, offload_gpu_budget_gb=3))
+    assert any("no effect unless offload_optimizer.ratio" in w for w in stray.warnings)
+
+
+def test_print_config_flags_the_extension(tmp_path, capsys) -> None:  # noqa: ANN001
+    from zerorun.cli import config_cmds
+
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(_cfg("auto", offload_gpu_budget_gb=2)))
+    try:
+        config_cmds.app([str(path), "--world-size", "2", "--params", "1e9"], prog_name="zerorun")
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    out, err = capsys.readouterr()
+    assert code == 0, out + err
+    text = " ".join(out.split())
+    assert '"auto" is a zerorun extension' in text
+    assert "partial offload (Twin-Flow)" in text  # the estimate says what sits where
+
+
+@pytest.mark.parametrize(
+    ("numels", "ratio", "budget", "expected"),
+    [
+        ([10, 10, 10, 10], 0.5, 0, [False, False, True, True]),  # the last buffers stay on the device
+        ([10, 10, 10, 10], 0.6, 0, [False, False, False, True]),  # host share never below the ratio
+        ([10, 10, 10, 10], 1.0, 0, [False] * 4),
+        ([10, 10, 10, 10], 0.0, 0, [True] * 4),
+        ([30, 5, 20], 0.5, 0, [False, True, True]),  # 25 of 55 on the device
+        ([10, 40, 10], 0.5, 0, [True, False, True]),  # a buffer too big is skipped, earlier ones still fit
+        ([100], 0.5, 0, [False]),  # one flat buffer: all or nothing
+        ([10, 10, 10], None, 25, [False, True, True]),  # "auto": at most the budget's elements
+        ([10, 10, 10], None, 0, [False] * 3),
+        ([0, 10], 0.0, 0, [False, True]),  # empty shards stay on the host (nothing to place)
+    ],
+)
+def test_device_buffers(numels: list[int], ratio: float | None, budget: int, expected: list[bool]) -> None:
+    got = device_buffers(numels, ratio, budget)
+    assert got == expected
+    on_dev = sum(n for n, d in zip(numels, got, strict=True) if d)
+    if ratio is not None:
+        assert on_dev <= (1 - ratio) * sum(numels) + 1e-9
+    else:
+        assert on_dev <= budget
+
+
+def test_settings_carry_ratio_and_budget() -> None:
+    o = options_from_settings(settings_from_config(load_config(_cfg(0.25)).config, world_size=1))
+    assert o.ratio == 0.25
+    o = options_from_settings(settings_from_config(load_config(_cfg("auto", offload_gpu_budget_gb=1.2)).config, world_size=1))
+    assert o.ratio is None
+    # bf16 + AdamW: 4 (fp32 master) + 8 (m, v) bytes per element on the device
+    assert o.device_budget_numel == int(1.2e9 // 12) == offload_budget_numel(load_config(_cfg("auto", offload_gpu_budget_gb=1.2)))
+    fp32 = dict(_cfg("auto", offload_gpu_budget_gb=1.2), bf16={"enabled": False})
+    assert offload_budget_numel(load_config(fp32)) == int(1.2e9 // 8)  # the parameter shard is the master
+
+
+def test_estimate_splits_master_and_states() -> None:
+    psi, n = 1_000_000_000, 2
+    full = model_state_bytes(psi, n, _cfg(1.0))
+    part = model_state_bytes(psi, n, _cfg(0.25))
+    assert part.offload_ratio == 0.25 and full.offload_ratio == 1.0
+    shard = psi / n
+    assert part.terms["cpu"]["master"] == pytest.approx(4 * 0.25 * shard)
+    assert part.terms["gpu"]["master"] == pytest.approx(4 * 0.75 * shard)
+    assert part.terms["cpu"]["optimizer_states"] == pytest.approx(8 * 0.25 * shard)
+    assert part.terms["gpu"]["optimizer_states"] == pytest.approx(8 * 0.75 * shard)
+    assert part.terms["cpu"]["grads"] == pytest.approx(4 * 0.25 * shard)  # host copy of the host part only
+    assert part.terms["gpu"]["grads"] == full.terms["gpu"]["grads"]
+    # every element's master and states exist exactly once
+    for term in ("master", "optimizer_states"):
+        assert part.terms["gpu"][term] + part.terms["cpu"][term] == pytest.approx(full.terms["cpu"][term])
+    assert part.formula("gpu") == "2Ψ + 13Ψ/N"  # 4 grads + 0.75 × (4 + 8) and part.formula("cpu") == "4Ψ/N"
+    auto = model_state_bytes(psi, n, _cfg("auto", offload_gpu_budget_gb=1.2))
+    assert auto.offload_ratio == pytest.approx(0.8)  # 1e8 of 5e8 shard elements fit 1.2 GB
+    assert auto.terms["gpu"]["master"] + auto.terms["gpu"]["optimizer_states"] == pytest.approx(1.2e9)
+    big = model_state_bytes(psi, n, _cfg("auto", offload_gpu_budget_gb=1000))
+    assert big.offload_ratio == 0.0 and big.terms["cpu"]["master"] == 0
