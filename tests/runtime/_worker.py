@@ -106,7 +106,7 @@ def run_case(case: _cases.Case, rank: int, world: int) -> dict | None:
         "estimated": estimated,
         "tied_kept": model.head.weight is model.emb.weight,
         "shard_numel": shard_numel,
-        "trainable_numel": sum(layout.numel for layout in engine.stage.layouts),
+        "trainable_numel": sum(s.numel for layout in engine.stage.layouts for s in layout.slots),
         "padded_numel": sum(layout.padded_numel for layout in engine.stage.layouts),
         "grads_at_rest": sum(m["grads"] for m in memory.values()),
         "step_parts": len(engine.stage._parts or []),

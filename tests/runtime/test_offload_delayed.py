@@ -9,9 +9,12 @@ worker on the GPU (world 1 on NCCL at a larger size, 2 ranks sharing the GPU), w
 are asynchronous.
 
 Tolerances: losses within one 16-bit ulp; masters within 1e-5 relative without clipping (the
-same fused CPU AdamW kernel on the same numbers), 2e-3 with it (the global norm is summed in a
-different order than the reference's, so the clipping coefficient differs in the last bit, which
-Adam's first steps amplify; a wrong update is off by the order of the update itself).
+same fused CPU AdamW kernel on the same numbers). With clipping the global norm is summed in a
+different order than the reference's, so the clipping coefficient differs in the last bit; that
+can flip the sign of a near-zero gradient element, which Adam's normalised step turns into a move
+of up to 2 lr for that element (3 % of a small tensor's largest value seen on the GPU): at most
+1 % of the elements may differ beyond 1e-3, none by more than 5 %. A wrong or stale update moves
+nearly every element.
 """
 
 from __future__ import annotations
@@ -58,5 +61,10 @@ def test_delayed_update_matches_reference(results, case: DCase) -> None:  # noqa
         for step in range(steps):
             got, want = r["losses"][step], ref[step][rank]
             assert abs(got - want) <= ulp * max(1.0, abs(want)), (case.name, rank, step, r["losses"], ref)
-    bound = 2e-2 if SCALED else 2e-3 if case.clip > 0 else 1e-5
-    assert res["master_rel_err"] <= bound, (case.name, res["master_rel_err"])
+    if case.clip > 0 or SCALED:
+        # Last-bit differences (the clip coefficient's summation order; on CUDA, kernels) flip
+        # the sign of a few near-zero gradients: those elements move by up to 2 lr (Adam).
+        assert res["master_frac_off"] <= 1e-2, (case.name, res["master_frac_off"], res["master_rel_err"])
+        assert res["master_rel_err"] <= 5e-2, (case.name, res["master_rel_err"])
+    else:  # the same fused CPU AdamW on the same numbers
+        assert res["master_rel_err"] <= 1e-5, (case.name, res["master_rel_err"])

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from zerorun.runtime.partition import FlatLayout, ParamSpec, plan_flat_buffers
+from zerorun.runtime.partition import SLOT_ALIGN_BYTES, FlatLayout, ParamSpec, plan_flat_buffers
 from zerorun.runtime.precision import dtype_name
 
 __all__ = ["TrainableParam", "collect_trainable", "FlatParamBuffers"]
@@ -75,7 +75,7 @@ class FlatParamBuffers:
             for t in trainable
         ]
         self.layouts: list[FlatLayout] = plan_flat_buffers(
-            specs, num_shards=num_shards, bucket_numel=bucket_numel
+            specs, num_shards=num_shards, bucket_numel=bucket_numel, slot_align_bytes=SLOT_ALIGN_BYTES
         )
         self.params: list[list[nn.Parameter]] = []
         self.buffers: list[torch.Tensor] = []
@@ -83,8 +83,7 @@ class FlatParamBuffers:
         self.dtype = param_dtype
         by_name = {t.name: t.param for t in trainable}
         for layout in self.layouts:
-            flat = torch.empty(layout.padded_numel, dtype=param_dtype, device=device)
-            flat[layout.numel :].zero_()
+            flat = torch.zeros(layout.padded_numel, dtype=param_dtype, device=device)  # gaps + tail stay 0
             params = []
             for slot in layout.slots:
                 p = by_name[slot.name]

@@ -311,6 +311,8 @@ class PartitionedGrads(GradReducer):
             layout = self.flat.layouts[i]
             buf = torch.empty(layout.padded_numel, dtype=self.reduce_dtype, device=self.flat.device)
             buf[layout.numel :].zero_()
+            for a, b in layout.gaps():  # between slot-aligned parameters
+                buf[a:b].zero_()
             self._staging[i] = buf
             live = sum(b.numel() * b.element_size() for b in self._staging.values())
             self.peak_buffer_bytes = max(self.peak_buffer_bytes, live + self._inflight_bytes())

@@ -33,12 +33,22 @@ __all__ = [
     "plan_flat_buffers",
     "round_up",
     "DEFAULT_ALIGN",
+    "SLOT_ALIGN_BYTES",
 ]
 
 # Shards start on multiples of this many elements: 64 elements is 128 bytes in bf16, the
 # alignment NCCL and vectorised kernels like. The cost is < num_shards * 64 padding elements
 # per flat buffer.
 DEFAULT_ALIGN = 64
+# The runtime also starts every parameter (slot) on a 16-byte boundary inside its flat buffer
+# (zero gaps between slots). A parameter is a view of its flat buffer, and compiled kernels
+# (inductor's Triton code) specialise on 16-byte aligned pointers: a compiled graph shared by
+# several identical blocks read a misaligned view of another block ("CUDA error: misaligned
+# address") when one odd-sized parameter (a bias of 1 element, a vocabulary of 50257) shifted
+# everything after it. FSDP1 pads its flat parameters the same way. Costs < 16 bytes per
+# parameter.
+SLOT_ALIGN_BYTES = 16
+_ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2}
 
 
 def round_up(n: int, multiple: int) -> int:
@@ -104,7 +114,7 @@ class FlatLayout:
     group: int
     dtype: str
     slots: tuple[ParamSlot, ...]
-    numel: int  # elements used by parameters
+    numel: int  # elements up to the end of the last parameter (slot gaps included)
     padded_numel: int  # numel rounded up so that every shard has the same aligned size
     num_shards: int
     _by_name: dict[str, ParamSlot] = field(default_factory=dict, repr=False, compare=False)
@@ -129,6 +139,15 @@ class FlatLayout:
             hi = min(end, slot.offset + slot.numel)
             if lo < hi:
                 out.append((slot, lo - slot.offset, hi - slot.offset))
+        return out
+
+    def gaps(self) -> list[tuple[int, int]]:
+        """``[start, end)`` ranges between parameters (slot alignment), zero in every buffer."""
+        out, pos = [], 0
+        for slot in self.slots:
+            if slot.offset > pos:
+                out.append((pos, slot.offset))
+            pos = slot.offset + slot.numel
         return out
 
     def slot(self, name: str) -> ParamSlot:
@@ -166,12 +185,15 @@ def plan_flat_buffers(
     num_shards: int,
     bucket_numel: int,
     align: int = DEFAULT_ALIGN,
+    slot_align_bytes: int = 0,
 ) -> list[FlatLayout]:
     """Pack ``params`` (given in the order their gradients are expected) into flat buffers.
 
     A new flat buffer starts when the dtype or param group changes or when adding the next
     parameter would exceed ``bucket_numel`` elements. Each buffer is padded to a multiple of
-    ``num_shards * align`` so every rank's shard is equal and starts aligned.
+    ``num_shards * align`` so every rank's shard is equal and starts aligned. With
+    ``slot_align_bytes`` (the runtime passes ``SLOT_ALIGN_BYTES``) every parameter starts on such a
+    boundary of its dtype's elements, leaving gaps between parameters.
     """
     if num_shards < 1:
         raise ValueError("num_shards must be >= 1")
@@ -185,7 +207,13 @@ def plan_flat_buffers(
             return
         slots = []
         offset = 0
+        step = (
+            max(1, slot_align_bytes // _ITEMSIZE.get(current[0].dtype, slot_align_bytes or 1))
+            if slot_align_bytes
+            else 1
+        )
         for p in current:
+            offset = round_up(offset, step)
             slots.append(ParamSlot(p.name, p.shape, p.dtype, offset, p.numel, p.aliases))
             offset += p.numel
         padded = round_up(max(offset, 1), num_shards * align)

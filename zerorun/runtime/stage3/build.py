@@ -16,7 +16,7 @@ from torch import nn
 
 from zerorun.runtime.collectives import Communicator
 from zerorun.runtime.flat_params import TrainableParam
-from zerorun.runtime.partition import FlatLayout, ParamSpec, plan_flat_buffers
+from zerorun.runtime.partition import SLOT_ALIGN_BYTES, FlatLayout, ParamSpec, plan_flat_buffers
 from zerorun.runtime.precision import dtype_name
 from zerorun.runtime.settings import RuntimeSettings
 from zerorun.runtime.sharded_state import DevicePlacement, ShardedOptimizerState, ShardPlacement
@@ -119,7 +119,11 @@ def build_stage3(
             ]
             layouts = [
                 dataclasses.replace(layout, index=len(layouts_all) + j)
-                for j, layout in enumerate(plan_flat_buffers(specs, num_shards=world, bucket_numel=_ONE_BUFFER))
+                for j, layout in enumerate(
+                    plan_flat_buffers(
+                        specs, num_shards=world, bucket_numel=_ONE_BUFFER, slot_align_bytes=SLOT_ALIGN_BYTES
+                    )
+                )
             ]
             params = [[by_name[s.name] for s in layout.slots] for layout in layouts]
             fp32 = _fp32_shards(layouts, params, rank, device)

@@ -117,7 +117,9 @@ class ParamGroup:
                 p.ds_shape = torch.Size(slot.shape)  # type: ignore[attr-defined]
                 p.ds_numel = slot.numel  # type: ignore[attr-defined]
                 p._zerorun_group = self  # type: ignore[attr-defined]
-            self._pads.append(torch.zeros(layout.padded_numel - layout.numel, device=device, dtype=param_dtype))
+            self._pads.append(
+                torch.zeros(layout.padded_numel - layout.numel, device=device, dtype=param_dtype)
+            )
         self.grad_shards: list[torch.Tensor | None] = [None] * len(self.layouts)
         if self.resident:
             if self.world > 1:
@@ -200,13 +202,19 @@ class ParamGroup:
                 shard = torch.empty(layout.shard_numel, dtype=self.reduce_dtype, device=self.device)
                 self.grad_shards[li] = shard
             parts = []
+            pos = 0
             for slot in layout.slots:
+                if slot.offset > pos:  # the gap before a slot-aligned parameter
+                    parts.append(torch.zeros(slot.offset - pos, dtype=self.dtype, device=self.device))
+                pos = slot.offset + slot.numel
                 p = self._flat_params[k]
                 k += 1
                 g = p.grad
                 p.grad = None
                 parts.append(
-                    g.reshape(-1) if g is not None else torch.zeros(slot.numel, dtype=self.dtype, device=self.device)
+                    g.reshape(-1)
+                    if g is not None
+                    else torch.zeros(slot.numel, dtype=self.dtype, device=self.device)
                 )
             if pad.numel():
                 parts.append(pad)
