@@ -38,10 +38,6 @@ class MixedPrecisionPolicy:
     reduce_dtype: torch.dtype = torch.float32
     master_dtype: torch.dtype = torch.float32
 
-    @property
-    def separate_master(self) -> bool:
-        return self.master_dtype != self.param_dtype
-
 
 class LossScaler:
     """DeepSpeed's DynamicLossScaler (``loss_scale: 0``) or a static scale (``loss_scale > 0``).

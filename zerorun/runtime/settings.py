@@ -184,31 +184,6 @@ class RuntimeSettings:
     observe: ObserveOptions  # steps_per_print, wall_clock_breakdown, monitors, flops_profiler
     activation: ActivationOptions  # activation_checkpointing (zerorun.checkpointing)
 
-    # -- the flat names of before the option objects; kept for readers outside runtime/ -----
-    @property
-    def micro_batch(self) -> int:
-        return self.batch.micro_batch
-
-    @property
-    def grad_accum(self) -> int:
-        return self.batch.grad_accum
-
-    @property
-    def train_batch(self) -> int:
-        return self.batch.train_batch
-
-    @property
-    def policy(self) -> MixedPrecisionPolicy:
-        return self.precision.policy
-
-    @property
-    def fp16(self) -> bool:
-        return self.precision.fp16
-
-    @property
-    def gradient_clipping(self) -> float:
-        return self.optimizer.gradient_clipping
-
 
 def _concrete(value: Any, key: str, how: str) -> Any:
     if value == "auto":

@@ -17,7 +17,6 @@ On the CPU every copy is synchronous and events are ``None``.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 
 import torch
 
@@ -118,8 +117,3 @@ class Copier:
         needs the bytes)."""
         if event is not None:
             event.synchronize()
-
-
-def iter_events(events: list[list[torch.cuda.Event | None]]) -> Iterator[torch.cuda.Event | None]:
-    for row in events:
-        yield from row

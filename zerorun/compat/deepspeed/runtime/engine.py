@@ -96,7 +96,7 @@ class DeepSpeedEngine(nn.Module):
             return False
         if self._explicit_boundary is not None:
             return self._explicit_boundary
-        return self._window + 1 >= self._engine.settings.grad_accum
+        return self._window + 1 >= self._engine.settings.batch.grad_accum
 
     def _require_training(self, what: str) -> None:
         if self._evaluation_only:
@@ -122,13 +122,13 @@ class DeepSpeedEngine(nn.Module):
         inner.stage.begin_backward(boundary=boundary, first_micro=self._window == 0)
         factor = inner.loss_scaler.scale
         if scale_wrt_gas:
-            factor = factor / inner.settings.grad_accum
+            factor = factor / inner.settings.batch.grad_accum
         scaled = loss * factor if factor != 1.0 else loss
         scaled.backward(retain_graph=retain_graph)
         inner.stage.end_backward()
         inner._last_loss = loss.detach()  # the status event's loss
         inner.micro_steps += 1
-        inner.global_samples += inner.settings.micro_batch * inner.world_size
+        inner.global_samples += inner.settings.batch.micro_batch * inner.world_size
         self._window += 1
         self._window_closed = boundary
         return loss
@@ -239,13 +239,13 @@ class DeepSpeedEngine(nn.Module):
         return self._engine.skipped_steps
 
     def train_batch_size(self) -> int:
-        return self._engine.settings.train_batch
+        return self._engine.settings.batch.train_batch
 
     def train_micro_batch_size_per_gpu(self) -> int:
-        return self._engine.settings.micro_batch
+        return self._engine.settings.batch.micro_batch
 
     def gradient_accumulation_steps(self) -> int:
-        return self._engine.settings.grad_accum
+        return self._engine.settings.batch.grad_accum
 
     def zero_optimization_stage(self) -> int:
         return self._engine.settings.stage
@@ -257,13 +257,13 @@ class DeepSpeedEngine(nn.Module):
         return self._engine.settings.stage >= 3
 
     def fp16_enabled(self) -> bool:
-        return bool(self._engine.settings.fp16)
+        return bool(self._engine.settings.precision.fp16)
 
     def bf16_enabled(self) -> bool:
-        return self._engine.settings.policy.param_dtype == torch.bfloat16 and not self._engine.settings.fp16
+        return self._engine.settings.precision.policy.param_dtype == torch.bfloat16 and not self._engine.settings.precision.fp16
 
     def gradient_clipping(self) -> float:
-        return self._engine.settings.gradient_clipping
+        return self._engine.settings.optimizer.gradient_clipping
 
     def get_lr(self) -> list[float]:
         return self._engine.get_lr()
