@@ -26,6 +26,9 @@ class BenchConfig:
     offload_param: bool = False  # zerorun: offload_param.device = cpu (stage 3)
     cpu_offload: bool = False  # FSDP2: CPUOffloadPolicy
     delayed_update: bool = False  # zerorun: zerorun.delayed_param_update (changes the math: docs/offload.md)
+    # zerorun: offload_optimizer.ratio (Twin-Flow partial offload, exact): the host's share of
+    # the optimizer states; the rest stays on the GPU and steps there at the same time.
+    offload_ratio: float = 1.0
     # plain PyTorch is one process on one GPU whatever --nproc says: its tokens/s per GPU is
     # the baseline every row is compared with.
     single_process: bool = False
@@ -38,7 +41,7 @@ class BenchConfig:
         return self.cpu_offload or self.offload_optimizer or self.offload_param
 
 
-def _zr(name: str, stage: int, desc: str, **kw: bool) -> BenchConfig:
+def _zr(name: str, stage: int, desc: str, **kw: Any) -> BenchConfig:
     return BenchConfig(name=name, family="zerorun", description=desc, stage=stage, **kw)
 
 
@@ -65,6 +68,23 @@ CATALOGUE: dict[str, BenchConfig] = {
             "zerorun stage 2 + CPU optimizer offload, delayed parameter update",
             offload_optimizer=True,
             delayed_update=True,
+        ),
+        # Twin-Flow at 0.5: model states on the GPU halfway between full offload (2 + 4 bytes per
+        # element at world 1: bf16 parameters, fp32 gradients) and none (+ 4 master + 8 Adam):
+        # issue 17's ">= 0.85x at the ratio keeping peak GPU memory <= halfway" rows.
+        _zr(
+            "zero2_offload_ratio",
+            2,
+            "zerorun stage 2 + CPU optimizer offload of half the states (ratio 0.5, exact)",
+            offload_optimizer=True,
+            offload_ratio=0.5,
+        ),
+        _zr(
+            "zero3_offload_ratio",
+            3,
+            "zerorun stage 3 + CPU optimizer offload of half the states (ratio 0.5, exact)",
+            offload_optimizer=True,
+            offload_ratio=0.5,
         ),
         # Parameters and optimizer both on the host: the article's "ZeRO-3 + CPU offload" and
         # what FSDP2's CPUOffloadPolicy does (it offloads parameters, gradients and the step).
@@ -165,6 +185,8 @@ def zerorun_ds_config(
     zero: dict[str, Any] = {"stage": cfg.stage, "overlap_comm": True, "contiguous_gradients": True}
     if cfg.offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+        if cfg.offload_ratio != 1.0:
+            zero["offload_optimizer"]["ratio"] = cfg.offload_ratio
     if cfg.offload_param:
         zero["offload_param"] = {"device": "cpu", "pin_memory": True}
     extra = {"zerorun": {"delayed_param_update": True}} if cfg.delayed_update else {}
