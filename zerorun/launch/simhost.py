@@ -239,6 +239,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     with open(args.scenario, encoding="utf-8") as fh:
         scenario = Scenario.from_json(json.load(fh))
+    if scenario.host_nice > 0:
+        os.nice(scenario.host_nice)
     # What the agent imports when its plan arrives, once for all the agents of this process now:
     # a start-up measurement is then the launcher's, not this host's import time.
     import zerorun.launch.local  # noqa: F401

@@ -44,6 +44,7 @@ class Scenario:
     connect_failures: Mapping[int, int] = field(default_factory=dict)  # node -> attempts refused first
     version_mismatch: Sequence[int] = ()  # nodes whose agent reports another zerorun version
     agents_per_process: int = 0  # 0: spread the nodes over a few host processes
+    host_nice: int = 0  # niceness of the agent hosts: >0 gives the launcher (what is measured) the CPU first
 
     def to_json(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
