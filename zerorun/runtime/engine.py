@@ -176,20 +176,24 @@ class Engine:
         )
 
     def _take_model_step(self) -> None:
-        grads = self.stage.grad_shards()
-        scale = self.loss_scaler.scale
-        norm = self._global_norm(grads) / scale  # true (unscaled) norm, on device
-        self._grad_norm = norm
-        overflow = False
-        if self.settings.precision.fp16:
-            # Host sync: deciding to skip the step needs the value (fp16 only).
-            overflow = not bool(torch.isfinite(norm).item())
+        phase = self.reporter.phase  # DeepSpeed's ZeRO timer names (wall_clock_breakdown)
+        with phase("optimizer_gradients"):
+            grads = self.stage.grad_shards()
+            scale = self.loss_scaler.scale
+            norm = self._global_norm(grads) / scale  # true (unscaled) norm, on device
+            self._grad_norm = norm
+            overflow = False
+            if self.settings.precision.fp16:
+                # Host sync: deciding to skip the step needs the value (fp16 only).
+                overflow = not bool(torch.isfinite(norm).item())
+            if not overflow:
+                self._unscale_and_clip(grads, norm, scale)
         self._step_applied = not overflow
         if overflow:
             self.skipped_steps += 1
         else:
-            self._unscale_and_clip(grads, norm, scale)
-            self.stage.step(grads)
+            with phase("optimizer_step"):  # with offload: host copies and the CPU optimizer too
+                self.stage.step(grads)
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
         self.loss_scaler.update(overflow)

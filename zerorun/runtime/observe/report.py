@@ -32,7 +32,7 @@ from zerorun.runtime.activations import take_profile as take_checkpoint_profile
 from zerorun.runtime.observe.flops import FlopsProfiler
 from zerorun.runtime.observe.monitors import Event, MonitorSet
 from zerorun.runtime.observe.options import ObserveOptions
-from zerorun.runtime.observe.timers import PhaseTimers
+from zerorun.runtime.observe.timers import PHASES, PhaseTimers
 
 __all__ = ["StepReporter", "StepRecord", "count_tokens", "TIMER_TAGS"]
 
@@ -233,7 +233,7 @@ class StepReporter:
         samples_per_sec, tokens_per_sec = self._throughput(last.samples)
         self._last_print, self._samples_at_print, self._tokens = time.perf_counter(), last.samples, 0
         mean_timers = {
-            name: sum(t[name] for t in timers) / len(timers) for name in TIMER_TAGS
+            name: sum(t[name] for t in timers) / len(timers) for name in PHASES
         } if timers else None
         report: dict[str, Any] = {
             "step": last.step,

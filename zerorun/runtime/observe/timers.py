@@ -10,7 +10,10 @@ is exact.
 Phase names are DeepSpeed's global timers: `fwd`, `bwd` (= `bwd_inner` + `bwd_allreduce`),
 `bwd_inner` (autograd), `bwd_allreduce` (waiting for the gradient collectives still in flight
 when autograd finished: the communication the backward did not hide), `step` (grad norm,
-clipping, optimizer step on the shards, write-back/all-gather, offload's CPU step).
+clipping, optimizer step on the shards, write-back/all-gather, offload's CPU step), and inside
+`step` DeepSpeed's ZeRO timers `optimizer_gradients` (global norm, fp16 overflow check, unscale
+and clip) and `optimizer_step` (the shards' optimizer step with the write-back / all-gather and,
+with offload, the gradient copies to the host, the CPU optimizer and the parameter copies back).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import torch
 
 __all__ = ["PHASES", "PhaseTimers"]
 
-PHASES = ("fwd", "bwd", "bwd_inner", "bwd_allreduce", "step")
+PHASES = ("fwd", "bwd", "bwd_inner", "bwd_allreduce", "step", "optimizer_gradients", "optimizer_step")
 
 
 class PhaseTimers:
