@@ -124,9 +124,14 @@ class DeepSpeedEngine(nn.Module):
         if scale_wrt_gas:
             factor = factor / inner.settings.batch.grad_accum
         scaled = loss * factor if factor != 1.0 else loss
-        scaled.backward(retain_graph=retain_graph)
-        inner.stage.end_backward()
-        inner._last_loss = loss.detach()  # the status event's loss
+        phase = inner.reporter.phase  # wall_clock_breakdown (runtime/observe), as Engine.backward
+        with phase("bwd"):
+            with phase("bwd_inner"):
+                scaled.backward(retain_graph=retain_graph)
+            with phase("bwd_allreduce"):
+                inner.stage.end_backward()
+        inner._last_loss = loss.detach()
+        inner.reporter.on_backward(inner._last_loss)  # steps_per_print's loss
         inner.micro_steps += 1
         inner.global_samples += inner.settings.batch.micro_batch * inner.world_size
         self._window += 1
@@ -145,7 +150,9 @@ class DeepSpeedEngine(nn.Module):
             return
         skipped = inner.skipped_steps
         # The inner engine's step without its micro-batch counting (done in backward here).
-        inner._take_model_step()
+        with inner.reporter.phase("step"):
+            inner._take_model_step()
+        inner._report_step()  # steps_per_print report, monitors, flops profiler (runtime/observe)
         overflow = inner.skipped_steps != skipped
         if not overflow:
             self._grad_norm = inner.get_global_grad_norm()
