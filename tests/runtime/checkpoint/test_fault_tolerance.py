@@ -102,3 +102,24 @@ def test_auto_resume_continues_with_identical_losses(crashed_then_resumed: dict)
     assert (ckpt / "latest").read_text() == "global_step8"
     assert sorted(p.name for p in ckpt.iterdir()) == ["global_step8", "latest"]
     assert not os.path.exists(ckpt / ".tmp-global_step6")
+
+
+def test_async_save_is_bit_identical_at_stage3_with_nvme_and_cpu_offload(tmp_path: Path) -> None:
+    """The snapshot reads what a synchronous save reads at every stage and placement: here the
+    file-mapped NVMe masters and Adam states and the CPU parameter slices of stage 3."""
+    (tmp_path / "nvme").mkdir()
+    cfg = _config(tmp_path / "auto", every_n_steps=2, **{"async": True})
+    cfg["zero_optimization"] = {
+        "stage": 3,
+        "stage3_param_persistence_threshold": 0,
+        "offload_optimizer": {"device": "nvme", "nvme_path": str(tmp_path / "nvme")},
+        "offload_param": {"device": "cpu"},
+    }
+    env = {"FT_CONFIG": json.dumps(cfg), "FT_OUT": str(tmp_path), "FT_STEPS": "3", "FT_SYNC_SAVE_AT": "2"}
+    results = run_ranks([WORKER], 2, deadline_s=150, extra_env=env)
+    assert [rc for rc, _ in results] == [0, 0], results[0][1][-3000:]
+    a, b = tmp_path / "sync" / "global_step2", tmp_path / "auto" / "global_step2"
+    names = sorted(p.name for p in a.iterdir())
+    assert names == sorted(p.name for p in b.iterdir()) and len(names) == 6
+    for name in names:
+        assert (a / name).read_bytes() == (b / name).read_bytes(), name
