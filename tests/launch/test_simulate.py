@@ -107,3 +107,26 @@ def test_a_node_gets_only_its_own_part_of_the_plan():
     assert len(again.nodes) == 1000 and again.nodes[537] == plan.nodes[537] and not again.nodes[3].ranks
     for spec in plan.nodes[537].ranks:
         assert again.rank_env(spec) == plan.rank_env(spec)
+
+
+def test_launcher_sim_runs_the_whole_cli_pipeline(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "hosts").write_text("".join(f"node{i:03d} slots=4\n" for i in range(40)))
+    (tmp_path / "train.py").write_text("raise SystemExit('never runs: the ranks are synthetic')\n")
+    (tmp_path / "sc.json").write_text(json.dumps({"line_rate": 2, "fail": {"77": [1.0, 3]}, "warn_interval_s": 0.5}))
+    env = {**os.environ, "ZERORUN_SIM_SCENARIO": str(tmp_path / "sc.json"), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "zerorun", "--launcher", "sim", "--hostfile", "hosts", "--log_dir", "logs", "train.py"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 3, proc.stderr
+    assert "launcher sim: --launcher sim" in proc.stderr and "rank node019:77 failed (exit 3)" in proc.stderr
+    assert re.search(r"^\[0-\d+.*\] UserWarning: synthetic warning", proc.stderr, re.M)
+    assert "160 ranks: 159 signal 15 (SIGTERM) (stopped), 1 exit 3" in proc.stderr
+    assert proc.stdout and all(line.startswith("[node000:0]") for line in proc.stdout.splitlines())
+    assert len(list((tmp_path / "logs").glob("rank*.log"))) == 160
+    assert "simulated cluster" not in proc.stderr  # nothing left behind (printed only otherwise)

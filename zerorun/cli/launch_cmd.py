@@ -120,9 +120,9 @@ def launch(
     launcher: Optional[str] = typer.Option(  # noqa: UP045
         None,
         "--launcher",
-        metavar="[auto|local|ssh|slurm|mpi|pernode]",
+        metavar="[auto|local|ssh|slurm|mpi|pernode|sim]",
         help="How nodes are started (default auto: a Slurm step or --nnodes -> pernode, a Slurm allocation -> slurm, "
-        "a hostfile -> ssh, else local; see docs/clusters.md).",
+        "a hostfile -> ssh, else local; see docs/clusters.md; sim: the hostfile's nodes simulated here, docs/multinode.md).",
     ),
     nnodes: Optional[int] = typer.Option(  # noqa: UP045
         None, "--nnodes", metavar="N", min=1, help="Per-node mode: nodes in the job (one zerorun per node; torchrun's --nnodes)."

@@ -232,6 +232,10 @@ def _prepare_nodes(job: PlannedJob) -> tuple[LaunchPlan, list[NodeRunner]]:
         from zerorun.launch import mpi
 
         return mpi.prepare(job.plan, job.options, withheld=job.withheld)
+    if job.launcher_name == "sim":
+        from zerorun.launch import simulate
+
+        return simulate.prepare_job(job.plan, job.options)
     if job.multinode:
         from zerorun.launch import remote
 

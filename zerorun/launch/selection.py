@@ -12,7 +12,9 @@
 5. a hostfile -> `ssh`;
 6. otherwise `local` (this machine).
 A one-task Slurm step (`srun -N1 zerorun ...`) is `local`: this node only. `mpi` (Open MPI's
-mpirun starts the node agents of a hostfile) is only ever chosen explicitly.
+mpirun starts the node agents of a hostfile) is only ever chosen explicitly, and so is `sim`:
+the hostfile's nodes simulated on this machine (real agents, synthetic ranks; what the
+console, logs and fail-fast of a large job look like: `launch/simulate.py`).
 """
 
 from __future__ import annotations
@@ -26,8 +28,8 @@ from zerorun.launch.slurm_env import SlurmEnv, read_slurm_env
 
 __all__ = ["LAUNCHERS", "Launcher", "LauncherChoice", "choose_launcher"]
 
-Launcher = Literal["local", "ssh", "slurm", "mpi", "pernode"]
-LAUNCHERS: tuple[str, ...] = ("auto", "local", "ssh", "slurm", "mpi", "pernode")
+Launcher = Literal["local", "ssh", "slurm", "mpi", "pernode", "sim"]
+LAUNCHERS: tuple[str, ...] = ("auto", "local", "ssh", "slurm", "mpi", "pernode", "sim")
 
 
 @dataclass(frozen=True)
@@ -58,7 +60,7 @@ def choose_launcher(
 
     if want != "auto":
         reason = "--launcher " + want
-        if want in ("ssh", "mpi") and hostfile is None:
+        if want in ("ssh", "mpi", "sim") and hostfile is None:
             raise LaunchError(f"--launcher {want} needs --hostfile (the nodes to start on).")
         if want == "slurm" and not slurm.in_allocation:
             raise LaunchError(

@@ -36,7 +36,7 @@ from zerorun.launch.link import Link, LinkHub, LinkRunner
 from zerorun.launch.plan import DeviceInfo, LaunchOptions, LaunchPlan, Target, build_plan
 from zerorun.launch.synthetic import Scenario
 
-__all__ = ["SimCluster", "sim_plan", "prepare", "Scenario"]
+__all__ = ["SimCluster", "sim_plan", "prepare", "prepare_job", "Scenario"]
 
 _READY_TIMEOUT_S = 60.0
 
@@ -216,6 +216,50 @@ def prepare(
         for link in links.values():
             link.close()
         raise
+
+
+class _SimRunner(LinkRunner):
+    """A `LinkRunner` of `--launcher sim`: the last one closed stops the simulated cluster."""
+
+    def __init__(self, runner: LinkRunner, cluster: SimCluster, open_runners: list[int]) -> None:
+        super().__init__(runner.plan, runner.node, runner.link, runner.hub,
+                         heartbeat_s=runner.heartbeat_s, heartbeat_timeout_s=runner.heartbeat_timeout_s)
+        self._cluster = cluster
+        self._open = open_runners
+
+    def close(self) -> None:
+        super().close()
+        self._open[0] -= 1
+        if self._open[0] == 0:
+            totals = self._cluster.close()
+            if totals["ranks_left"] or totals["hosts_failed"]:
+                print(f"zerorun: simulated cluster: {totals}", file=sys.stderr)
+
+
+def prepare_job(plan: LaunchPlan, options: Any) -> tuple[LaunchPlan, list[LinkRunner]]:
+    """`--launcher sim`: the plan's nodes simulated on this machine. The scenario is the JSON
+    file named by `ZERORUN_SIM_SCENARIO` (a `Scenario`; default: 1 line per rank per second,
+    a memory and a status event every 5 s, every rank exits 0 after 10 s); the script is not
+    run. Everything on the launcher's side is the real job's code."""
+    path = os.environ.get("ZERORUN_SIM_SCENARIO")
+    if path:
+        try:
+            with open(path, encoding="utf-8") as fh:
+                scenario = Scenario.from_json(json.load(fh))
+        except (OSError, ValueError, TypeError, KeyError) as err:
+            raise LaunchError(f"ZERORUN_SIM_SCENARIO={path}: cannot read the scenario ({err}).") from None
+    else:
+        scenario = Scenario(line_rate=1.0, event_interval_s=5.0, duration_s=10.0)
+    cluster = SimCluster.start(len(plan.nodes), scenario)
+    try:
+        timeout = float(os.environ.get("ZERORUN_SSH_HEARTBEAT_TIMEOUT", 10.0))
+        plan, runners = prepare(plan, cluster, parallelism=getattr(options, "ssh_parallelism", None) or DEFAULT_PARALLELISM,
+                                heartbeat_timeout_s=timeout)
+    except BaseException:
+        cluster.close()
+        raise
+    count = [len(runners)]
+    return plan, [_SimRunner(r, cluster, count) for r in runners]
 
 
 def _next_hello(link: Link, deadline: float) -> dict[str, Any] | None:
