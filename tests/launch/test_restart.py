@@ -214,6 +214,38 @@ def test_launcher_sigterm_with_save_on_preemption_waits_for_the_save(tmp_path: P
     assert [r["returncode"] for r in summary["ranks"]] == [PREEMPTED_EXIT_CODE] * 2
 
 
+def test_per_node_mode_every_node_restarts_and_they_meet_again(tmp_path: Path) -> None:
+    """One zerorun per node (--nnodes/--node_rank; two on this machine): the killed rank's node
+    and the stopped node both restart, and the second attempt meets at the rendezvous again."""
+    from _ranks import free_port
+
+    port = free_port()
+    launches = [
+        start(
+            ["--nnodes", "2", "--node_rank", str(n), "--master_addr", "127.0.0.1", "--master_port", str(port),
+             "--num_gpus", "1", "--device", "cpu", "--max_restarts", "1", "--grace_period", "1",
+             "--log_dir", str(tmp_path / f"node{n}"), str(RESTART_JOB)],
+            env={"RJ_MODE": "kill"},
+        )
+        for n in (0, 1)
+    ]
+    try:
+        results = [launch.finish(90) for launch in launches]
+    finally:
+        for launch in launches:
+            kill_tagged(launch.tag)
+    for n, (code, _out, err) in enumerate(results):
+        assert code == 137, err
+        assert "attempt 2/2 (restart)" in err and "restart budget of 1 exhausted" in err, err
+        summary = json.loads((tmp_path / f"node{n}" / "summary.json").read_text())
+        assert [a["exit_code"] for a in summary["attempts"]] == [137, 137]
+        # both attempts had the whole job: 2 ranks, one per node
+        for k in (1, 2):
+            ranks = json.loads((tmp_path / f"node{n}" / f"attempt{k}" / "summary.json").read_text())["ranks"]
+            assert len(ranks) == 2
+    assert not any(wait_until_gone(launch.tag, 5) for launch in launches)
+
+
 # --- real training jobs: kill -9 + restart + auto-resume, preemption ----------------------
 
 
