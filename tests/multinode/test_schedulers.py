@@ -239,3 +239,21 @@ def test_mpi_trains_like_ssh_and_stops(cluster, reference, tmp_path: Path) -> No
     assert re.search(r"rank node2:1 failed \(exit 3\)", out), out
     left = wait_clean(nodes, 10)
     assert not left, describe(left)
+
+
+def test_restarts_under_slurm(cluster, slurm, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """--max_restarts with --launcher slurm (launch/restart.py): every attempt is a new srun step in
+    the allocation; rank 1 (node 2) kills itself in each, so the budget runs out with its code."""
+    env = slurm.env(launcher_env(cluster))
+    job = Path(__file__).parents[1] / "launch" / "scripts" / "restart_job.py"
+    code, out = run_launcher(
+        ["--launcher", "slurm", "--num_nodes", "2", "--num_gpus", "1", "--device", "cpu", "--grace_period", "1",
+         "--max_restarts", "1", "--log_dir", str(tmp_path / "logs"), "--env", "RJ_MODE=kill", str(job)],
+        env=env, cwd=tmp_path, timeout=90,
+    )
+    assert code == 137, out
+    assert "attempt 2/2 (restart)" in out and "restart budget of 1 exhausted" in out, out
+    assert out.count("zerorun: launcher slurm") >= 2, out  # one srun step per attempt
+    assert re.search(r"attempt 2: rank node2:1 was killed \(signal 9", out), out
+    left = wait_clean(slurm.nodes, 10)
+    assert not left, describe(left)
