@@ -16,6 +16,7 @@ import re
 import struct
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,7 @@ def job(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "csv_monitor": {"enabled": True, "output_path": str(tmp / "csv"), "job_name": "job"},
         "tensorboard": {"enabled": True, "output_path": str(tmp / "tb"), "job_name": "job"},
         "wandb": {"enabled": True, "project": "zr-test", "group": "g"},
+        "comet": {"enabled": True, "online": False, "project": "p", "workspace": "w", "samples_log_interval": 16},
         "activation_checkpointing": {"profile": True},
     }
     cfg_path = tmp / "ds.json"
@@ -57,6 +59,7 @@ def job(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             "WANDB_MODE": "offline",
             "WANDB_SILENT": "true",
             "WANDB_DIR": str(tmp),
+            "COMET_OFFLINE_DIRECTORY": str(tmp / "comet"),
         },
         timeout=120,
     )
@@ -180,6 +183,22 @@ def test_wandb_offline_run_has_every_step(job: dict[str, Any]) -> None:
     assert [h["_step"] for h in history] == [t["samples"] for t in job["truth"]]
     assert [h["Train/Samples/train_loss"] for h in history] == pytest.approx([t["loss"] for t in job["truth"]], rel=1e-5)
     assert [h["Train/Samples/lr"] for h in history] == pytest.approx([t["lr"] for t in job["truth"]], rel=1e-6)
+
+
+def test_comet_offline_experiment_logs_per_samples_log_interval(job: dict[str, Any]) -> None:
+    archives = list((job["tmp"] / "comet").glob("*.zip"))
+    assert len(archives) == 1, archives  # rank 0 only
+    with zipfile.ZipFile(archives[0]) as z:
+        messages = [json.loads(line) for line in z.read("messages.json").decode().splitlines() if line.strip()]
+    loss = [
+        (m["payload"]["metric"]["step"], m["payload"]["metric"]["metricValue"])
+        for m in messages
+        if m.get("type") == "metric_msg" and m["payload"]["metric"]["metricName"] == "Train/Samples/train_loss"
+    ]
+    # 8 samples per step; each tag at most once per 16 samples (DeepSpeed's comet scheduling)
+    truth = {t["samples"]: t["loss"] for t in job["truth"]}
+    assert [s for s, _ in loss] == [8, 24, 40]
+    assert [float(v) for _, v in loss] == pytest.approx([truth[s] for s, _ in loss], rel=1e-5)
 
 
 def test_zerorun_plot_reads_the_log_dir_and_the_csv_monitor(job: dict[str, Any], tmp_path: Path) -> None:
