@@ -16,6 +16,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "consolidate": ("zerorun.cli.consolidate_cmd", "Build a full state dict from a sharded checkpoint."),
     "sbatch": ("zerorun.cli.sbatch_cmd", "Write and submit a Slurm batch script running the same zerorun command."),
     "plot": ("zerorun.cli.plot_cmd", "Plot a run's loss, lr, throughput and memory as a PNG."),
+    "compat": ("zerorun.cli.compat_cmd", "install|uninstall|status: this venv's `import deepspeed`/`deepspeed` as zerorun's."),
 }
 # DeepSpeed users type underscores.
 ALIASES = {"print_config": "print-config"}

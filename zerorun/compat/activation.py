@@ -127,6 +127,8 @@ class _CompatDistribution(importlib.metadata.Distribution):
             return self._METADATA
         if filename == "top_level.txt":
             return "deepspeed\n"
+        if filename == "INSTALLER":
+            return "zerorun\n"
         return None
 
     def locate_file(self, path: Any) -> Any:
@@ -195,22 +197,25 @@ def is_active() -> bool:
 
 def real_deepspeed() -> tuple[str, str] | None:
     """(version, location) of a DeepSpeed installed in this environment, ignoring the layer."""
-    was_active = is_active()
+    was_active, had_metadata = is_active(), _dists in sys.meta_path
     if was_active:
         deactivate()
     try:
-        dist = importlib.metadata.distribution(_ROOT)
-    except importlib.metadata.PackageNotFoundError:
-        return None
+        # Not the layer's own `zerorun compat install` (its dist-info's INSTALLER is zerorun).
+        dists = [
+            d for d in importlib.metadata.distributions(name=_ROOT)
+            if (d.read_text("INSTALLER") or "").strip() != "zerorun"
+        ]
     finally:
         if was_active:
-            _install()
-    where = str(dist.locate_file(""))
-    return dist.version, where
+            _install(had_metadata)
+    if not dists:
+        return None
+    return dists[0].version, str(dists[0].locate_file(""))
 
 
-def _install() -> None:
-    for finder in (_accelerate, _dists, _alias):
+def _install(metadata: bool = True) -> None:
+    for finder in (_accelerate, _dists, _alias) if metadata else (_accelerate, _alias):
         if finder not in sys.meta_path:
             sys.meta_path.insert(0, finder)
     loaded = sys.modules.get(AcceleratePatcher._TARGET)
@@ -221,8 +226,10 @@ def _install() -> None:
             accelerate_cpu.patch_accelerate_state(loaded)
 
 
-def activate(*, announce: bool = True) -> None:
-    """From now on `import deepspeed` in this process is zerorun's layer. Idempotent."""
+def activate(*, announce: bool = True, metadata: bool = True) -> None:
+    """From now on `import deepspeed` in this process is zerorun's layer. Idempotent.
+    ``metadata=False``: no in-process distribution (``zerorun compat install`` wrote a real
+    dist-info, which pip must find to uninstall it)."""
     if is_active():
         return
     real = real_deepspeed()
@@ -232,7 +239,7 @@ def activate(*, announce: bool = True) -> None:
             "the real deepspeed was already imported in this process before zerorun's compatibility "
             "layer was activated; activate it first (zerorun --deepspeed-compat does so before the script runs)"
         )
-    _install()
+    _install(metadata)
     _pin_accelerate_device()
     if announce and real is not None and os.environ.get("RANK", "0") == "0":
         version, where = real
