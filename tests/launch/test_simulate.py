@@ -130,3 +130,18 @@ def test_launcher_sim_runs_the_whole_cli_pipeline(tmp_path):
     assert proc.stdout and all(line.startswith("[node000:0]") for line in proc.stdout.splitlines())
     assert len(list((tmp_path / "logs").glob("rank*.log"))) == 160
     assert "simulated cluster" not in proc.stderr  # nothing left behind (printed only otherwise)
+
+
+def test_a_cut_link_is_a_lost_node_at_once():
+    cluster = SimCluster.start(8, Scenario(line_rate=1.0, drop={5: 0.5}))
+    try:
+        plan, runners = prepare(sim_plan(8, 4), cluster)
+        t0 = time.monotonic()
+        result = Supervisor(plan, runners, PlainConsole(out=io.StringIO(), err=io.StringIO()), grace_period=1.0).run()
+        wall = time.monotonic() - t0
+    finally:
+        totals = cluster.close()
+    assert result.exit_code == 255 and "sim-0005" in result.message and "closed" in result.message
+    assert wall < 0.5 + 1.0 + 3.0  # no heartbeat timeout to wait for: EOF says it at once
+    assert {s.rank for s in result.ranks if s.state == "lost"} == set(range(20, 24))
+    assert totals["ranks_left"] == 0 and totals["agents_left"] == 0

@@ -112,6 +112,7 @@ class _Node:
             if not self.silent and self.node_rank in sc.silent and at >= sc.silent[self.node_rank]:
                 self.silent = self.channel.muted = True
             if self.node_rank in sc.drop and at >= sc.drop[self.node_rank]:
+                self.channel.muted = True  # nothing more gets through, not even the ranks' exits
                 self.agent.die("the link was cut (simulated)")
                 return
         # Only when it has something to do: polling 125 idle runners 50 times a second would
