@@ -56,9 +56,10 @@ def test_live_panel_step_cell_shows_each_ranks_timers() -> None:
 
     plan = plan_for(num_gpus=2)
     fast, slow = (RankState(spec) for spec in plan.ranks)
-    fast.status = {"step": 10, "loss": 2.5, "timers_ms": {"fwd": 10.2, "bwd": 20.0, "step": 5.0}}
-    slow.status = {"step": 10, "loss": 2.5, "timers_ms": {"fwd": 95.0, "bwd": 20.0, "step": 5.0}}
-    assert _step_cell(fast) == "step 10 loss 2.5 fwd/bwd/step 10/20/5 ms"
-    assert "fwd/bwd/step 95/20/5 ms" in _step_cell(slow)
+    fast.status = {"step": 10, "loss": 2.5, "tokens_per_sec": 12345.0, "samples_per_sec": 6.0,
+                   "timers_ms": {"fwd": 10.2, "bwd": 20.0, "step": 5.0}}
+    slow.status = {"step": 10, "loss": 2.5, "samples_per_sec": 3.0, "timers_ms": {"fwd": 95.0, "bwd": 20.0, "step": 5.0}}
+    assert _step_cell(fast) == "step 10 loss 2.5 12.3k tok/s fwd/bwd/step 10/20/5 ms"
+    assert "3.0 samples/s fwd/bwd/step 95/20/5 ms" in _step_cell(slow)
     slow.status = {"step": 3}
     assert _step_cell(slow) == "step 3"

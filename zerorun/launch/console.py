@@ -95,6 +95,13 @@ def _gpu_cell(s: RankState) -> str:
     return "/".join(format_bytes(s.gpu.get(k)) for k in ("allocated", "reserved", "peak"))
 
 
+def _si(value: float) -> str:
+    for scale, prefix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(value) >= scale:
+            return f"{value / scale:.1f}{prefix}"
+    return f"{value:.1f}"
+
+
 def _step_cell(s: RankState) -> str:
     if not s.status:
         return "-"
@@ -103,6 +110,10 @@ def _step_cell(s: RankState) -> str:
         parts.append(f"step {s.status['step']}")
     if isinstance(s.status.get("loss"), (int, float)):
         parts.append(f"loss {s.status['loss']:.4g}")
+    for key, unit in (("tokens_per_sec", "tok/s"), ("samples_per_sec", "samples/s")):
+        if isinstance(s.status.get(key), (int, float)):
+            parts.append(f"{_si(s.status[key])} {unit}")
+            break
     timers = s.status.get("timers_ms")  # wall_clock_breakdown: this rank's own, so a straggler shows
     if isinstance(timers, dict) and all(isinstance(timers.get(k), (int, float)) for k in ("fwd", "bwd", "step")):
         parts.append(f"fwd/bwd/step {timers['fwd']:.0f}/{timers['bwd']:.0f}/{timers['step']:.0f} ms")

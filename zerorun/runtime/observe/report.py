@@ -221,8 +221,10 @@ class StepReporter:
         self._last_light = now
         value = None if loss is None else float(loss.item())  # host sync, at most once a second
         extra = {}
-        if self.last_report is not None and "timers_ms" in self.last_report:
-            extra["timers_ms"] = self.last_report["timers_ms"]  # the panel keeps the last breakdown
+        if self.last_report is not None:  # the panel keeps the last report's throughput and timers
+            for key in ("tokens_per_sec", "samples_per_sec", "timers_ms"):
+                if self.last_report.get(key) is not None:
+                    extra[key] = self.last_report[key]
         events.emit("status", step=step, loss=value, lr=lrs[0] if lrs else None, **extra)
 
     def _report(self, moms: list[Any]) -> None:
@@ -282,14 +284,15 @@ class StepReporter:
         out: list[Event] = []
         for i, r in enumerate(records):
             s = r.samples
-            if losses[i] is not None:
-                out.append(("Train/Samples/train_loss", losses[i], s))
+            loss, norm = losses[i], norms[i]
+            if loss is not None:
+                out.append(("Train/Samples/train_loss", loss, s))
             if r.lrs:
                 out.append(("Train/Samples/lr", r.lrs[0], s))
             if self.fp16:
                 out.append(("Train/Samples/loss_scale", r.loss_scale, s))
-            if norms[i] is not None:
-                out.append(("Train/Samples/grad_norm", norms[i], s))
+            if norm is not None:
+                out.append(("Train/Samples/grad_norm", norm, s))
             if i < len(timers):
                 out.extend((tag, timers[i][name], s) for name, tag in TIMER_TAGS.items())
             if r.gpu_allocated is not None:
