@@ -89,6 +89,7 @@ def matrix(world: int) -> list[OCase]:
         OCase(2, "bf16", clip=CLIP, ratio="auto", budget_gb=1.2e-6),  # 100 elements on the device
         OCase(3, "bf16", clip=CLIP, ratio=0.5, model="wide"),
         OCase(3, "fp32", ratio=0.3, model="wide"),
+        OCase(1, "fp32", accum=2, optim="sgd", ratio=0.5),  # untiled: optimizer.step() over both devices
     ]
     return cases
 

@@ -68,8 +68,11 @@ def open_autos(config: ZerorunConfig) -> list[str]:
                 visit(v, (*path, i))
 
     visit(config.to_dict(only_set=True), ())
-    # zerorun resolves this "auto" itself (a zerorun extension: offload_gpu_budget_gb).
-    return [p for p in out if p != "zero_optimization.offload_optimizer.ratio"]
+    # Resolved by zerorun itself (offload_gpu_budget_gb) or by DeepSpeed's ZenFlow rules, not by
+    # the script or an integration.
+    return [
+        p for p in out if p != "zero_optimization.offload_optimizer.ratio" and not p.startswith("zero_optimization.zenflow.")
+    ]
 
 
 def _is_default(model: BaseModel, name: str) -> bool:
@@ -205,9 +208,10 @@ def _offload_rules(raw: RawConfig, config: ZerorunConfig) -> tuple[list[str], li
             f"{raw.where(('zero_optimization', 'sub_group_size'))} = {zero.sub_group_size}: the optimizer step "
             "with offload_optimizer runs in tiles of this many elements; give at least 1"
         )
-    ratio_errors, ratio_warnings = _ratio_rules(raw, config, acting[0])
-    errors += ratio_errors
-    warnings += ratio_warnings
+    for rule in (_ratio_rules, _zenflow_rules):
+        more_errors, more_warnings = rule(raw, config, acting[0])
+        errors += more_errors
+        warnings += more_warnings
     for name, device in zip(("offload_optimizer", "offload_param"), acting, strict=True):
         section = getattr(zero, name)
         if device != "nvme":
@@ -262,6 +266,41 @@ def _ratio_rules(raw: RawConfig, config: ZerorunConfig, opt_dev: str) -> tuple[l
             )
     elif budget > 0:
         warnings.append(f"{budget_where} = {budget:g}: no effect unless offload_optimizer.ratio is \"auto\"")
+    return errors, warnings
+
+
+def _zenflow_rules(raw: RawConfig, config: ZerorunConfig, opt_dev: str) -> tuple[list[str], list[str]]:
+    """DeepSpeed's cross-key rules of ``zero_optimization.zenflow`` (its configure_zenflow)."""
+    errors: list[str] = []
+    warnings: list[str] = []
+    zf = config.zero_optimization.zenflow
+    if zf is None:
+        return errors, warnings
+    path = ("zero_optimization", "zenflow")
+    select = raw.where((*path, "select_interval"))
+    if zf.select_strategy == AUTO:
+        if zf.select_interval != AUTO:
+            warnings.append(
+                f"{select} = {zf.select_interval}: ignored with select_strategy \"auto\" (columns are re-selected "
+                "every epoch); set select_strategy \"step\" or \"epoch\" to use it"
+            )
+    elif zf.select_interval == AUTO:
+        errors.append(
+            f"{raw.where((*path, 'select_strategy'))} = {zf.select_strategy!r} needs a number in {select} "
+            f"(how many {zf.select_strategy}s between re-selections of the important columns)"
+        )
+    elif (
+        zf.select_strategy == "step" and zf.update_interval != AUTO and zf.select_interval < zf.update_interval
+    ):
+        errors.append(
+            f"{select} = {zf.select_interval} is below {raw.where((*path, 'update_interval'))} = "
+            f"{zf.update_interval}: columns must stay selected at least one update interval"
+        )
+    if opt_dev != "cpu":
+        warnings.append(
+            f"{raw.where(path)}: ZenFlow is a mode of CPU optimizer offload; it needs "
+            "zero_optimization.offload_optimizer.device 'cpu' at stage 1-3"
+        )
     return errors, warnings
 
 

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
 from zerorun.config.types import Auto, Count, Flag, Real, SizeCount, field, plain_numbers
 
-__all__ = ["Section", "OffloadParam", "OffloadOptimizer", "ZeroOptimization", "OffloadDevice"]
+__all__ = ["Section", "OffloadParam", "OffloadOptimizer", "ZenFlow", "ZeroOptimization", "OffloadDevice"]
 
 OffloadDevice = Literal["none", "cpu", "nvme"]
 
@@ -81,6 +81,49 @@ class OffloadOptimizer(Section):
                 f"{value} is not a fraction: give the share of optimizer states kept on the host, from 0 "
                 "(all on the GPU) to 1 (all on the host, the default), or \"auto\""
             )
+        return value
+
+
+class ZenFlow(Section):
+    """`zero_optimization.zenflow`: DeepSpeed's ZenFlow (selective updates with CPU offload). Every
+    DeepSpeed key and its `"auto"` values are accepted and validated as DeepSpeed does; zerorun
+    does not act on the section yet (print-config says so; docs/offload.md)."""
+
+    topk_ratio: Real = field(0.1, "Share (0..1) of the most important gradient columns updated on the GPU every step.")
+    select_strategy: Literal["auto", "step", "epoch"] = field(
+        "auto", "When important columns are re-selected: every `select_interval` steps or epochs; `auto`: every epoch."
+    )
+    select_interval: Count | Auto = field(
+        "auto", "Steps (strategy `step`) or epochs (`epoch`) between column re-selections; `auto` with strategy `auto`."
+    )
+    update_interval: Count | Auto = field(
+        "auto",
+        "Steps between CPU updates of the accumulated unimportant columns (DeepSpeed sets gradient_accumulation_steps "
+        "to it); `auto`: adaptive, from `auto_ratio`.",
+    )
+    overlap_step: Flag = field(False, "Overlap the CPU update with the next forward/backward.")
+    offload: Flag = field(False, "Keep the selective (important-column) optimizer states on the CPU too.")
+    auto_ratio: Real = field(0.99, "Threshold of the adaptive `update_interval: auto`.")
+    full_warm_up_rounds: Count = field(0, "Steps of full (non-selective) updates before selection starts.", ge=0)
+    pt_reserved_cores_perc: Real = field(
+        0.5, "Share of the CPU cores left to PyTorch's threads; the rest run the ZenFlow CPU optimizer."
+    )
+    steps_per_epoch: Count | None = field(
+        None, "Steps per epoch for strategy `epoch` (DeepSpeed fills it from its data loader).", ge=1
+    )
+
+    @field_validator("topk_ratio", "auto_ratio", "pt_reserved_cores_perc")
+    @classmethod
+    def _fraction(cls, value: float) -> float:
+        if not 0.0 <= value <= 1.0:
+            raise ValueError(f"{value} is not a fraction: give a number from 0 to 1")
+        return value
+
+    @field_validator("select_interval", "update_interval")
+    @classmethod
+    def _interval(cls, value: Any) -> Any:
+        if value != "auto" and value < 1:
+            raise ValueError(f"{value}: give a whole number of at least 1, or \"auto\"")
         return value
 
 
@@ -205,7 +248,13 @@ class ZeroOptimization(Section):
         False, "Keep Muon momentum in memory with NVMe offload.", stages=(3,), acted_on=False
     )
     leaf_module: dict[str, Any] | None = field(None, "Modules treated as ZeRO-3 leaf modules.", stages=(3,), acted_on=False)
-    zenflow: dict[str, Any] | None = field(None, "ZenFlow settings.", acted_on=False)
+    zenflow: ZenFlow | None = field(
+        None,
+        "DeepSpeed's ZenFlow: top-k gradient columns updated on the GPU every step, the rest accumulated and "
+        "updated on the CPU every `update_interval` steps (changes the math).",
+        stages=(1, 2, 3),
+        acted_on=False,
+    )
 
     @field_validator("stage")
     @classmethod
@@ -214,7 +263,7 @@ class ZeroOptimization(Section):
             raise ValueError(f"{value} is not a ZeRO stage; allowed: 0, 1, 2, 3")
         return value
 
-    @field_validator("zeropp_loco_param", "leaf_module", "zenflow", mode="before")
+    @field_validator("zeropp_loco_param", "leaf_module", mode="before")
     @classmethod
     def _free(cls, value: Any) -> Any:
         return _free_form(value)
