@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from benchmarks import memory_model
-from benchmarks.configs import CATALOGUE, BenchConfig, zerorun_ds_config
+from benchmarks.configs import CATALOGUE, BenchConfig, deep_merge, zerorun_ds_config
 from benchmarks.measure import (
     Trainer,
     device_memory,
@@ -130,6 +130,11 @@ def _ds_config(bench: BenchConfig, args: WorkerArgs, micro_batch: int) -> dict[s
             "stage3_max_live_parameters": 100_000_000,
         }
         override = {"zero_optimization": zero_bufs, **(override or {})}
+    if bench.delayed_update and "delayed_param_update_warmup" not in (override or {}).get("zerorun", {}):
+        # The timed steps must be delayed ones: the exact warm-up is the run's own untimed
+        # warm-up (the default, 40 steps, would time exact steps). Convergence with the default
+        # is benchmarks/dpu_convergence.py's.
+        override = deep_merge(override or {}, {"zerorun": {"delayed_param_update_warmup": args.warmup}})
     return zerorun_ds_config(
         bench,
         micro_batch=micro_batch,
