@@ -26,13 +26,16 @@ Inside a backward (``torch._C._current_graph_task_id() != -1``) a forward is a r
 
 torch.compile: every hook runs eagerly (``torch._disable_dynamo``, as FSDP2's hooks do with
 ``torch._dynamo.config.skip_fsdp_hooks``). A compiled module's ``_call_impl`` (``block.compile()``)
-or a whole compiled model calls them; traced, the parameter rebinding (``p.data = view``) became
-an in-place ``set_`` inside the graph, which bumped the version counter of a parameter autograd
-had saved ("is at version 2; expected version 1") and changed the guarded shapes every call (a
-recompile each time, up to dynamo's limit). Run eagerly, a group's gather writes only its gather
-buffer (``ParamGroup.full``), whose version counter the parameters do not share (``p.data = v``
-keeps the parameter's own counter), so what the compiled graph saved stays valid, and the graph
-sees parameters of one shape, always gathered: one compile per distinct block.
+or a whole compiled model calls them. Traced, they were cut into many small graphs (graph breaks
+at the autograd.Function and the collectives: 42 for four blocks on CPU ranks), the gather and the
+parameter rebinding (``p.data = view``) ran inside compiled frames whose guards saw parameters of
+shape [0] one call and their real shape the next (recompiles up to dynamo's limit, as reported on
+the GPU), and the first backward failed: "is at version 2; expected version 1" on a parameter the
+compiled graph had saved. Run eagerly, a group's gather writes only its gather buffer
+(``ParamGroup.full``), whose version counter the parameters do not share (``p.data = v`` keeps the
+parameter's own counter), so what the compiled graph saved stays valid, and the compiled code only
+ever sees gathered parameters of one shape: one compile for identical blocks
+(tests/runtime/test_compile.py counts them).
 """
 
 from __future__ import annotations
