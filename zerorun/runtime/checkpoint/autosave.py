@@ -19,6 +19,7 @@ the same step together (no rank waits in a save the others never reach) and exit
 from __future__ import annotations
 
 import logging
+import os
 import re
 import shutil
 import signal
@@ -81,18 +82,23 @@ class _PreemptionWatch:
         self.engine = engine
         self.signalled = False
         self._pending: tuple[Any, torch.Tensor, Any, torch.Tensor | None] | None = None
+        self._previous: Any = None
         if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, self._on_signal)
+            self._previous = signal.signal(signal.SIGTERM, self._on_signal)
+
+    def close(self) -> None:
+        """SIGTERM means what it meant before (engine.destroy(): no step boundary comes any more)."""
+        if self._previous is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._previous)
+            self._previous = None
 
     def _on_signal(self, signum: int, _frame: object) -> None:
         if not self.signalled:
             self.signalled = True
             rank = self.engine.comm.rank
-            print(
-                f"zerorun: rank {rank} got SIGTERM: saving a checkpoint at the next step boundary, then exiting",
-                file=sys.stderr,
-                flush=True,
-            )
+            # os.write, not print: the handler may interrupt a print holding the stream's lock.
+            text = f"zerorun: rank {rank} got SIGTERM: saving a checkpoint at the next step boundary, then exiting\n"
+            os.write(2, text.encode())
 
     def agreed(self) -> bool:
         import torch.distributed as dist
@@ -213,4 +219,6 @@ class EngineCheckpointing:
         raise SystemExit(PREEMPTED_EXIT_CODE)
 
     def close(self) -> None:
+        if self.preemption is not None:
+            self.preemption.close()
         self.wait()
