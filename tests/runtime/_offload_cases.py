@@ -58,6 +58,7 @@ def matrix(world: int) -> list[OCase]:
             OCase(1, "fp32", accum=2, device="nvme", model="wide"),
             OCase(2, "bf16", clip=CLIP, delayed=True, steps=4),
             OCase(3, "bf16", clip=CLIP, param="cpu"),
+            OCase(2, "bf16", ratio=0.5),  # Twin-Flow at world 1 (the GPU checks' NCCL group runs it on CUDA)
         ]
     # Stage 3 gathers per module group in the forward, so every rank must run the same modules:
     # TinyNet's rank-dependent branch would deadlock it; stage 3 cases use WideNet.
