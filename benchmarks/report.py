@@ -28,8 +28,16 @@ __all__ = ["render", "render_run", "console_table", "baseline", "main"]
 
 GIB = 1024**3
 _ORDER = {name: i for i, name in enumerate(CATALOGUE)}
-# Targets from the benchmark issue (8) and the offload issue (7).
-OFFLOAD_TARGET, OFFLOAD_EXACT_TARGET = 0.70, 0.45
+# The offload rows' targets (offload issue 7), one row each: (the row it is compared with, the
+# least ratio of tokens/s, what the target is about). Each row is judged against its own target:
+# ✓ at or above it, ✗ below (an exact row at 0.48x zero2 meets its 0.45x; the delayed row at 0.55x
+# misses its 0.70x).
+OFFLOAD_TARGETS: dict[str, tuple[str, float, str]] = {
+    "zero2_offload_opt": ("zero2", 0.45, "exact CPU offload"),
+    "zero2_offload_dpu": ("zero2", 0.70, "with the delayed update"),
+    "zero3_offload_opt": ("zero3", 0.45, "exact CPU offload"),
+    "zero3_offload_param": ("zero3", 0.45, "exact CPU offload, parameters on the host too"),
+}
 
 
 def _sort_key(r: dict[str, Any]) -> tuple[int, int]:
@@ -227,17 +235,12 @@ def _targets(recs: Sequence[dict[str, Any]], fsdp: dict[str, Any] | None, band: 
                 f"- `{name}`: speed {ratio:.2f}× FSDP2 {speed} (target ≥ FSDP2 − noise band {tol:.1%}); "
                 f"peak memory ≤ FSDP2's {mem_ok}"
             )
-    for off, ref in (
-        ("zero2_offload_opt", "zero2"),
-        ("zero2_offload_dpu", "zero2"),
-        ("zero3_offload_opt", "zero3"),
-        ("zero3_offload_param", "zero3"),
-    ):
+    for off, (ref, target, about) in OFFLOAD_TARGETS.items():
         if off in by and ref in by:
             ratio = float(by[off]["tokens_per_s_per_gpu"]) / float(by[ref]["tokens_per_s_per_gpu"])
             lines.append(
-                f"- `{off}`: {ratio:.2f}× `{ref}` (targets: ≥ {OFFLOAD_TARGET:.2f}× with the delayed update,"
-                f" ≥ {OFFLOAD_EXACT_TARGET:.2f}× exact) {'✓' if ratio >= OFFLOAD_TARGET else ('≈' if ratio >= OFFLOAD_EXACT_TARGET else '✗')}"
+                f"- `{off}`: {ratio:.2f}× `{ref}` {'✓' if ratio >= target else '✗'}"
+                f" (target ≥ {target:.2f}×, {about})"
             )
     return (["", "Targets:", "", *lines]) if lines else []
 
