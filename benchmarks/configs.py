@@ -34,6 +34,9 @@ class BenchConfig:
     single_process: bool = False
     needs_multi_rank: bool = False  # DDP only means something with world > 1
     needs_cuda: bool = False  # FSDP2's CPUOffloadPolicy needs an accelerator
+    # torch.compile on each transformer block (`block.compile()` before the trainer is built:
+    # the pattern PyTorch recommends with FSDP2); compile time falls in the untimed warm-up.
+    compile: bool = False
 
     @property
     def offloads(self) -> bool:
@@ -86,6 +89,20 @@ CATALOGUE: dict[str, BenchConfig] = {
             offload_optimizer=True,
             offload_ratio=0.5,
         ),
+        # +compile (issue 20): every block compiled, for plain, FSDP2 and each zerorun stage;
+        # target: each zerorun stage + compile >= FSDP2 + compile minus the noise band.
+        BenchConfig(
+            "plain_compile",
+            "plain",
+            "PyTorch, compiled blocks, bf16 autocast, fused AdamW",
+            single_process=True,
+            compile=True,
+        ),
+        BenchConfig("fsdp2_compile", "fsdp2", "FSDP2 per block + root, compiled blocks", compile=True),
+        *[
+            _zr(f"zero{s}_compile", s, f"zerorun stage {s}, bf16, compiled blocks", compile=True)
+            for s in range(4)
+        ],
         # Parameters and optimizer both on the host: the article's "ZeRO-3 + CPU offload" and
         # what FSDP2's CPUOffloadPolicy does (it offloads parameters, gradients and the step).
         _zr(
@@ -101,6 +118,7 @@ CATALOGUE: dict[str, BenchConfig] = {
 PRESETS: dict[str, list[str]] = {
     # For iterating: the baseline, the peer to beat, one zerorun stage (add the one just changed).
     "quick": ["plain", "fsdp2", "zero2"],
+    "compile": [n for n, c in CATALOGUE.items() if c.compile],
     "full": list(CATALOGUE),
     "zerorun": [n for n, c in CATALOGUE.items() if c.family == "zerorun"],
     "peers": [n for n, c in CATALOGUE.items() if c.family != "zerorun"],

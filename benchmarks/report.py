@@ -235,6 +235,17 @@ def _targets(recs: Sequence[dict[str, Any]], fsdp: dict[str, Any] | None, band: 
                 f"- `{name}`: speed {ratio:.2f}× FSDP2 {speed} (target ≥ FSDP2 − noise band {tol:.1%}); "
                 f"peak memory ≤ FSDP2's {mem_ok}"
             )
+    compiled_peer = by.get("fsdp2_compile")
+    if compiled_peer:  # issue 20: each stage + compile >= FSDP2 + compile minus the noise band
+        tol = band or 0.0
+        for s in range(4):
+            r = by.get(f"zero{s}_compile")
+            if r:
+                ratio = float(r["tokens_per_s_per_gpu"]) / float(compiled_peer["tokens_per_s_per_gpu"])
+                lines.append(
+                    f"- `zero{s}_compile`: speed {ratio:.2f}× `fsdp2_compile` {'✓' if ratio >= 1 - tol else '✗'}"
+                    f" (target ≥ FSDP2+compile − noise band {tol:.1%})"
+                )
     for off, (ref, target, about) in OFFLOAD_TARGETS.items():
         if off in by and ref in by:
             ratio = float(by[off]["tokens_per_s_per_gpu"]) / float(by[ref]["tokens_per_s_per_gpu"])

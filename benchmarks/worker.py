@@ -155,6 +155,9 @@ def _throughput(
     record.update(zerorun_config=ds_config, micro_batch=mb, seq_len=cfg.seq_len)
     model = build_model(cfg, ctx.device, args.seed)
     record["n_params"] = sum(p.numel() for p in model.parameters())
+    if bench.compile:
+        for block in model.blocks:  # compiled in the first (untimed) warm-up step
+            block.compile()
     trainer = _make_trainer(bench, model, ctx, ds_config)
     del model  # the trainer owns it now; no stray reference keeps fp32 weights alive
     data = gpt_model.SyntheticTokens(cfg, mb, ctx.device, seed=args.seed, rank=ctx.rank)
