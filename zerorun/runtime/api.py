@@ -130,7 +130,7 @@ def _move_rest(module: nn.Module, trainable_ids: set[int], device: torch.device,
                 sub._buffers[name] = b.to(device, target)
 
 
-def _micro_hint(training_data: Any) -> int | None:
+def _micro_hint(training_data: object) -> int | None:
     return (
         getattr(training_data, "batch_size", None)
         if isinstance(training_data, torch.utils.data.DataLoader)
@@ -154,13 +154,13 @@ def _groups(
 
 
 def initialize(
-    args: Any = None,
+    args: object = None,
     model: nn.Module | None = None,
     optimizer: Optimizer | Callable[[Iterable[Any]], Optimizer] | None = None,
     model_parameters: Any = None,
     training_data: Any = None,
     lr_scheduler: Any = None,
-    mpu: Any = None,
+    mpu: object = None,
     dist_init_required: bool | None = None,
     collate_fn: Callable[..., Any] | None = None,
     config: Any = None,
@@ -221,7 +221,7 @@ def initialize(
         torch_opt = opt_lib.rebind_user_optimizer(
             user_opt, state.param_groups(hypers), settings.optimizer.allow_untested
         )
-    elif optimizer is not None:  # a callable, DeepSpeed's client-optimizer factory
+    elif optimizer is not None and not isinstance(optimizer, Optimizer):  # DeepSpeed's client-optimizer factory
         torch_opt = optimizer(state.param_groups(hypers))
         if not isinstance(torch_opt, Optimizer):
             raise RuntimeConfigError(
@@ -260,7 +260,7 @@ def initialize(
     return engine, torch_opt, loader, scheduler
 
 
-def _attach_checkpointing(engine: Engine, cfg: Any) -> None:
+def _attach_checkpointing(engine: Engine, cfg: ZerorunConfig) -> None:
     """Periodic/async saves, auto-resume and preemption (runtime/checkpoint/autosave.py) when
     the config's `zerorun.checkpoint` or the launcher (--resume_from, --save_on_preemption)
     asks for them; the resume happens here, before the script gets the engine."""
@@ -295,7 +295,9 @@ def _build_lr_scheduler(
     return None
 
 
-def _build_loader(training_data: Any, settings: RuntimeSettings, ctx: DistContext, collate_fn: Any) -> Any:
+def _build_loader(
+    training_data: Any, settings: RuntimeSettings, ctx: DistContext, collate_fn: Callable[..., object] | None
+) -> Any:
     if training_data is None:
         return None
     if isinstance(training_data, torch.utils.data.DataLoader):

@@ -45,9 +45,9 @@ class Pending:
 
     def __init__(
         self,
-        work: Any = None,
+        work: dist.Work | None = None,
         event: torch.cuda.Event | None = None,
-        then: Callable[[], None] | None = None,
+        then: Callable[[], object] | None = None,
         keep: tuple[torch.Tensor, ...] = (),
     ) -> None:
         self._work = work
@@ -88,7 +88,7 @@ class Communicator:
 
     # -- issuing -----------------------------------------------------------------------------
     def reduce_scatter(
-        self, output: torch.Tensor, input: torch.Tensor, then: Callable[[], None] | None = None
+        self, output: torch.Tensor, input: torch.Tensor, then: Callable[[], object] | None = None
     ) -> Pending:
         """Sum ``input`` (a whole flat buffer) over ranks; this rank's shard lands in ``output``.
         ``then`` runs after the reduction, in stream order (e.g. accumulate ``output``)."""
@@ -107,7 +107,7 @@ class Communicator:
         )
 
     def all_reduce(
-        self, tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM, then: Callable[[], None] | None = None
+        self, tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM, then: Callable[[], object] | None = None
     ) -> Pending:
         if self.trivial:
             return self._local(tensor, tensor, then)
@@ -139,7 +139,7 @@ class Communicator:
         return [int(v) for v in t.tolist()]
 
     # -- internals ---------------------------------------------------------------------------
-    def _local(self, output: torch.Tensor, input: torch.Tensor, then: Callable[[], None] | None) -> Pending:
+    def _local(self, output: torch.Tensor, input: torch.Tensor, then: Callable[[], object] | None) -> Pending:
         # One rank: every collective is the identity; only the copy (if not in place) remains.
         if output.data_ptr() != input.data_ptr() or output.numel() != input.numel():
             output.copy_(input)
@@ -152,7 +152,7 @@ class Communicator:
         collective: Callable[[torch.Tensor, torch.Tensor], Any],
         output: torch.Tensor,
         input: torch.Tensor,
-        then: Callable[[], None] | None,
+        then: Callable[[], object] | None,
     ) -> Pending:
         if not self.is_cuda:
             return Pending(work=collective(output, input), then=then, keep=(output, input))

@@ -134,8 +134,12 @@ def init_distributed() -> DistContext:
     else:
         addr, port = rendezvous_address(os.environ, world)
         os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = addr, port
-        kwargs = {"device_id": device} if backend == "nccl" else {}
         dist.init_process_group(
-            backend, init_method="env://", rank=rank, world_size=world, timeout=timeout, **kwargs
+            backend,
+            init_method="env://",
+            rank=rank,
+            world_size=world,
+            timeout=timeout,
+            device_id=device if backend == "nccl" else None,
         )
     return DistContext(rank, world, local, device, backend, None)

@@ -17,8 +17,8 @@ branch on the stage.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -34,6 +34,9 @@ from zerorun.runtime.precision import LossScaler
 from zerorun.runtime.settings import RuntimeSettings
 from zerorun.runtime.stage_protocol import Stage
 
+if TYPE_CHECKING:
+    from zerorun.runtime.checkpoint.autosave import EngineCheckpointing
+
 __all__ = ["Engine"]
 
 
@@ -44,7 +47,8 @@ def _cast_inputs(value: Any, dtype: torch.dtype) -> Any:
         cast = [_cast_inputs(v, dtype) for v in value]
         return type(value)(cast) if not hasattr(value, "_fields") else type(value)(*cast)
     if isinstance(value, Mapping):
-        return type(value)({k: _cast_inputs(v, dtype) for k, v in value.items()})
+        rebuild: type = type(value)  # dict, OrderedDict, transformers' BatchEncoding, ...
+        return rebuild({k: _cast_inputs(v, dtype) for k, v in value.items()})
     return value
 
 
@@ -81,7 +85,7 @@ class Engine:
         self._compute_dtype = settings.precision.policy.param_dtype
         # Saves/resume the engine does by itself (runtime/checkpoint/autosave.py; set by
         # initialize when the config or the launcher asks for them), and what it resumed from.
-        self.checkpointing: Any = None
+        self.checkpointing: EngineCheckpointing | None = None
         self.resumed_from: str | None = None
         self.resumed_client_state: dict[str, Any] = {}
         self.training_dataloader: Any = None  # the loader initialize built from training_data
@@ -205,6 +209,7 @@ class Engine:
         identically by all), so every parameter -- tied ones included -- counts once."""
         if not grads:
             return torch.zeros((), device=self.device)
+        norms: list[torch.Tensor] | tuple[torch.Tensor, ...]
         if all(g.dtype == torch.float32 for g in grads):
             norms = torch._foreach_norm(grads)
         else:
@@ -280,11 +285,13 @@ class Engine:
     def is_compiled(self) -> bool:
         return getattr(self, "_compiled", False)
 
-    def parameters(self, recurse: bool = True) -> Any:
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
         return self.module.parameters(recurse)
 
-    def named_parameters(self, *args: Any, **kwargs: Any) -> Any:
-        return self.module.named_parameters(*args, **kwargs)
+    def named_parameters(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Parameter]]:
+        return self.module.named_parameters(prefix, recurse, remove_duplicate)
 
     # DeepSpeed exposes the batch arithmetic as methods; so does zerorun.
     def gradient_accumulation_steps(self) -> int:

@@ -9,7 +9,6 @@ that value, exactly as in DeepSpeed.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from typing import Any
 
 from torch.optim import Optimizer
@@ -19,7 +18,7 @@ from zerorun.errors import RuntimeConfigError
 __all__ = ["WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "build_scheduler", "SCHEDULERS"]
 
 
-def _per_group(optimizer: Optimizer, value: float | Sequence[float], name: str) -> list[float]:
+def _per_group(optimizer: Optimizer, value: float | list[float] | tuple[float, ...], name: str) -> list[float]:
     n = len(optimizer.param_groups)
     if isinstance(value, (list, tuple)):
         if len(value) != n:
@@ -82,8 +81,8 @@ class WarmupLR(_Schedule):
     def __init__(
         self,
         optimizer: Optimizer,
-        warmup_min_lr: float | Sequence[float] = 0.0,
-        warmup_max_lr: float | Sequence[float] = 0.001,
+        warmup_min_lr: float | list[float] | tuple[float, ...] = 0.0,
+        warmup_max_lr: float | list[float] | tuple[float, ...] = 0.001,
         warmup_num_steps: int = 1000,
         warmup_type: str = "log",
         last_batch_iteration: int = -1,
@@ -115,8 +114,8 @@ class WarmupDecayLR(WarmupLR):
         self,
         optimizer: Optimizer,
         total_num_steps: int,
-        warmup_min_lr: float | Sequence[float] = 0.0,
-        warmup_max_lr: float | Sequence[float] = 0.001,
+        warmup_min_lr: float | list[float] | tuple[float, ...] = 0.0,
+        warmup_max_lr: float | list[float] | tuple[float, ...] = 0.001,
         warmup_num_steps: int = 1000,
         warmup_type: str = "log",
         last_batch_iteration: int = -1,

@@ -16,18 +16,48 @@ provides placements for pinned CPU memory / NVMe; nothing else here knows about 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch.optim import Optimizer
 
+from zerorun.runtime.memory import MemoryLedger
 from zerorun.runtime.partition import FlatLayout
 
-if TYPE_CHECKING:
-    from zerorun.runtime.stage3.store import ParamShardStore
+__all__ = ["ShardPlacement", "DevicePlacement", "ShardedOptimizerState", "ParamShardStore"]
 
-__all__ = ["ShardPlacement", "DevicePlacement", "ShardedOptimizerState"]
+
+class ParamShardStore:
+    """Where stage 3 keeps the at-rest shard of each partitioned flat buffer (the parameter
+    placement seam; stage3/store.py: DeviceParamStore, offload/params.py: HostParamStore).
+    docs/architecture.md, Contract 6 "Stage 3 parameter placement"."""
+
+    #: True when ``fetch`` returns the at-rest shard itself (it lives on the training device).
+    #: With one rank such a shard *is* the whole flat buffer, so stage 3 binds the parameters to
+    #: it for good and never gathers or releases (no copy at all).
+    resident: bool = False
+
+    def allocate(self, key: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        raise NotImplementedError
+
+    def fetch(self, key: int, shard: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def release(self, key: int, fetched: torch.Tensor) -> None:
+        return None
+
+    def tensors(self) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+    def add_memory(self, ledger: MemoryLedger) -> None:
+        """Bytes held beyond ``tensors()`` (host buffers, files), for ``engine.memory_summary``."""
+        return None
+
+    def close(self) -> None:
+        """Release what the store holds (``engine.destroy``)."""
+        return None
 
 
 class ShardPlacement:
@@ -89,7 +119,7 @@ class ShardPlacement:
         """Release threads/files (engine.destroy)."""
         return None
 
-    def add_memory(self, ledger: Any) -> None:
+    def add_memory(self, ledger: MemoryLedger) -> None:
         """Add what the placement holds besides masters and optimizer states (host gradient and
         staging buffers, bytes on NVMe) to a ``memory.MemoryLedger``."""
         return None
@@ -142,7 +172,7 @@ class ShardedOptimizerState:
         self.placement = placement
         placement.plan([p.numel() for p in param_shards])
         self.masters: list[torch.Tensor] = [
-            placement.make_master(i, param_shards[i], lambda i=i: fp32_init(i))
+            placement.make_master(i, param_shards[i], functools.partial(fp32_init, i))
             for i in range(len(self.layouts))
         ]
         self.optimizer: Optimizer | None = None

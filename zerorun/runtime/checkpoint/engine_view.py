@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch.optim import Optimizer
 
 from .export import save_full_model
 from .format import BUFFER, OPTIM_PREFIX, WEIGHT, CheckpointMeta, Fragment, ParamInfo, dtype_name
@@ -141,10 +142,16 @@ class EngineCheckpointView:
         position = getattr(getattr(self.engine, "training_dataloader", None), "position", None)
         return {DATA_POSITION_KEY: position(self.world_size)} if position is not None else {}
 
+    def _optimizer(self) -> Optimizer:
+        opt = self.state.optimizer
+        if opt is None:  # initialize attaches it before the engine exists
+            raise RuntimeError("checkpoint of a stage whose optimizer state has no optimizer attached")
+        return opt
+
     def _scalar_state(self) -> list[dict[str, Any]]:
         """Per param group, the optimizer's non-elementwise state (Adam's ``step``), taken from
         the group's first master that has state (all masters of a group step together)."""
-        opt = self.state.optimizer
+        opt = self._optimizer()
         out: list[dict[str, Any]] = []
         for group in opt.param_groups:
             scalars: dict[str, Any] = {}
@@ -159,7 +166,7 @@ class EngineCheckpointView:
     # -- fragments ----------------------------------------------------------------------------
     def checkpoint_fragments(self, *, for_load: bool, kinds: set[str] | None = None) -> list[Fragment]:
         st = self.state
-        opt = st.optimizer
+        opt = self._optimizer()
         frags: list[Fragment] = []
         self._optim_targets = {}
         for i, (layout, master) in enumerate(zip(st.layouts, st.masters, strict=True)):
@@ -195,8 +202,8 @@ class EngineCheckpointView:
         for name, p in self._named_params()[0]:
             if name not in trained and not self.exclude_frozen:
                 frags.append(Fragment(name, WEIGHT, 0, p.numel(), p.data, replicated=True))
-        for name, b in _persistent_buffers(self.engine.module):
-            frags.append(Fragment(name, BUFFER, 0, b.numel(), b, replicated=True))
+        for name, buf in _persistent_buffers(self.engine.module):
+            frags.append(Fragment(name, BUFFER, 0, buf.numel(), buf, replicated=True))
         return frags
 
     # -- small objects ------------------------------------------------------------------------
@@ -235,9 +242,10 @@ class EngineCheckpointView:
 
         st = self.state
         groups = state.get("param_groups") or []
-        if len(groups) != len(st.optimizer.param_groups):
+        engine_groups = self._optimizer().param_groups
+        if len(groups) != len(engine_groups):
             raise CheckpointError(
-                f"checkpoint has {len(groups)} optimizer param group(s), the engine {len(st.optimizer.param_groups)}; "
+                f"checkpoint has {len(groups)} optimizer param group(s), the engine {len(engine_groups)}; "
                 "pass load_optimizer_states=False"
             )
         scalars = state.get("scalar_state") or [{} for _ in groups]

@@ -86,10 +86,10 @@ def save_full_model(
     Path(save_dir).mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{save_filename}.tmp")
     try:
-        with open(tmp, "wb") as f:
-            torch.save(sd, f)
-            f.flush()
-            os.fsync(f.fileno())
+        with open(tmp, "wb") as fh:
+            torch.save(sd, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
         os.replace(tmp, path)
     except OSError as err:
         raise CheckpointError(f"cannot write {path}: {err.strerror}") from err

@@ -16,6 +16,7 @@ Files written here load with the safetensors library (and Hugging Face loaders, 
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import struct
@@ -112,7 +113,7 @@ def _as_bytes(t: torch.Tensor) -> memoryview:
     flat = flat.contiguous()
     if flat.numel() == 0:
         return memoryview(b"")
-    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+    return flat.view(torch.uint8).numpy().data.cast("B")  # the tensor's bytes, no copy
 
 
 class StreamWriter:
@@ -203,7 +204,7 @@ class SafetensorsReader:
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = os.fspath(path)
-        self._file: BinaryIO | None = self._open()
+        self._file: io.BufferedReader | None = self._open()
         try:
             raw_len = self._file.read(8)
             if len(raw_len) != 8:
@@ -233,7 +234,7 @@ class SafetensorsReader:
                 raise CheckpointError(f"{self.path}: truncated (tensor {name!r} ends past the end of file)")
             self._tensors[name] = _Stored(dtype, tuple(info["shape"]), data_start + b, data_start + e)
 
-    def _open(self) -> BinaryIO:
+    def _open(self) -> io.BufferedReader:
         try:
             return open(self.path, "rb")  # noqa: SIM115 - closed in close()
         except OSError as err:
@@ -273,7 +274,7 @@ class SafetensorsReader:
             raise CheckpointError(f"{self.path}: range [{start}, {end}) outside {name!r} ({numel} elements)")
         n = end - start
         direct = out is not None and out.dtype == st.dtype and out.device.type == "cpu" and out.is_contiguous()
-        buf = out.reshape(-1) if direct else torch.empty(n, dtype=st.dtype)
+        buf = out.reshape(-1) if direct and out is not None else torch.empty(n, dtype=st.dtype)
         if buf.numel() != n:
             raise CheckpointError(f"{self.path}: destination has {buf.numel()} elements, range has {n}")
         if n:
@@ -281,7 +282,7 @@ class SafetensorsReader:
                 self._file = self._open()
             item = buf.element_size()
             self._file.seek(st.begin + start * item)
-            view = memoryview(buf.view(torch.uint8).numpy()).cast("B")
+            view = buf.view(torch.uint8).numpy().data.cast("B")  # writes land in `buf`
             got = self._file.readinto(view)
             if got != n * item:
                 raise CheckpointError(f"{self.path}: short read of {name!r} (file truncated?)")

@@ -125,10 +125,10 @@ class CheckpointReader:
             rd = SafetensorsReader(self.dir / shard_file(r))
             rd.close()
             self._readers[shard_file(r)] = rd
-            text = rd.metadata.get(FRAGMENT_INDEX_KEY)
-            if text is None:
+            index_text = rd.metadata.get(FRAGMENT_INDEX_KEY)
+            if index_text is None:
                 raise CheckpointError(f"{rd.path}: no fragment index (not written by zerorun?)")
-            for rec in decode_fragment_index(text, shard_file(r)):
+            for rec in decode_fragment_index(index_text, shard_file(r)):
                 self._index[(rec.name, rec.kind)].append(rec)
         self._starts: dict[tuple[str, str], list[int]] = {}
         for k, recs in self._index.items():

@@ -17,20 +17,19 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
+from zerorun.runtime.memory import MemoryLedger
 from zerorun.runtime.offload.host import Copier, host_empty
 from zerorun.runtime.offload.options import OffloadOptions
-from zerorun.runtime.sharded_state import DevicePlacement
+from zerorun.runtime.sharded_state import DevicePlacement, ParamShardStore
 
 __all__ = ["HostParamStore", "DeviceWithParamStore", "param_store_for"]
 
 
-class HostParamStore:
-    """Implements ``runtime.stage3.store.ParamShardStore`` (duck-typed: offload does not import
-    stage 3)."""
+class HostParamStore(ParamShardStore):
+    """A ``ParamShardStore`` (the stage-3 parameter placement seam, sharded_state.py) on the host."""
 
     resident = False
 
@@ -78,7 +77,7 @@ class HostParamStore:
     def tensors(self) -> list[torch.Tensor]:
         return [] if self._files is not None else list(self._shards.values())
 
-    def add_memory(self, ledger: Any) -> None:
+    def add_memory(self, ledger: MemoryLedger) -> None:
         """File-backed shards are on NVMe, not in memory (stage 3 reports them as params)."""
         if self._files is None:
             return
@@ -101,6 +100,7 @@ class DeviceWithParamStore(DevicePlacement):
     def __init__(self, device: torch.device, store: HostParamStore) -> None:
         super().__init__(device)
         self.param_store = store
+        self._store = store
 
     def make_master(
         self, index: int, param_shard: torch.Tensor, fp32_init: Callable[[], torch.Tensor]
@@ -111,8 +111,8 @@ class DeviceWithParamStore(DevicePlacement):
             return super().make_master(index, param_shard, fp32_init)
         return fp32_init().to(self.device, torch.float32, copy=True)
 
-    def add_memory(self, ledger: Any) -> None:
-        self.param_store.add_memory(ledger)
+    def add_memory(self, ledger: MemoryLedger) -> None:
+        self._store.add_memory(ledger)
 
     def close(self) -> None:
-        self.param_store.close()
+        self._store.close()

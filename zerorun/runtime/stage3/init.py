@@ -186,8 +186,9 @@ class _Gathered:
 
 def _all_subclasses(cls: type) -> set[type]:
     out: set[type] = set()
-    todo = [cls]
+    todo: list[type] = [cls]
     while todo:
+        sub: type
         for sub in todo.pop().__subclasses__():
             if sub not in out:
                 out.add(sub)
@@ -247,7 +248,7 @@ class InitContext:
         orig_subclass = nn.Module.__dict__.get("__init_subclass__")
 
         @classmethod  # type: ignore[misc]
-        def __init_subclass__(cls: type, **kwargs: Any) -> None:
+        def __init_subclass__(cls: type[nn.Module], **kwargs: Any) -> None:
             super(nn.Module, cls).__init_subclass__(**kwargs)
             if InitContext.active is ctx:
                 ctx._wrap_init(cls)

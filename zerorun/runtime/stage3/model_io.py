@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import math
+import operator
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -125,7 +126,7 @@ class GatheredParameters:
                 self.groups.append(g)
         self.groups.sort(key=lambda g: g.index)  # same collective order on every rank
         # Callers may pass a set (transformers does): order by partition order, not theirs.
-        self.inits = sorted((p for p in self.params if _init(p) is not None), key=lambda p: p.ds_id)
+        self.inits = sorted((p for p in self.params if _init(p) is not None), key=operator.attrgetter("ds_id"))
         self.plain = [p for p in self.params if _group(p) is None and _init(p) is None]
 
     def __enter__(self) -> GatheredParameters:
@@ -284,7 +285,7 @@ def install_state_dict_hooks(root: nn.Module) -> list[Any]:
     for m in root.modules():
         if getattr(m, "_zerorun_io_hooks", False):
             continue
-        m._zerorun_io_hooks = True  # type: ignore[attr-defined]
+        m._zerorun_io_hooks = True  # type: ignore[assignment]  # a flag, not a tensor or module
         handles.append(m.register_state_dict_post_hook(_state_dict_post_hook))
         hooks = _LoadHooks()
         handles.append(m.register_load_state_dict_pre_hook(hooks.pre))
@@ -349,8 +350,8 @@ def load_pretrained(module: nn.Module, source: str | Path | Mapping[str, torch.T
     wanted.update(dict(module.named_buffers()))
     done: set[str] = set()
     by_id: dict[int, list[str]] = {}
-    for name, t in wanted.items():
-        by_id.setdefault(id(t), []).append(name)
+    for name, tensor in wanted.items():
+        by_id.setdefault(id(tensor), []).append(name)
     for path in _files(source):
         with safe_open(str(path), framework="pt") as f:
             for key in f.keys():

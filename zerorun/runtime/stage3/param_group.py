@@ -30,6 +30,7 @@ the whole buffer: nothing to gather).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -123,8 +124,8 @@ class ParamGroup:
         self.grad_shards: list[torch.Tensor | None] = [None] * len(self.layouts)
         if self.resident:
             if self.world > 1:
-                for p in [self.comm.all_gather(f, r) for f, r in zip(self.full, self.at_rest, strict=True)]:
-                    p.wait()
+                for pending in [self.comm.all_gather(f, r) for f, r in zip(self.full, self.at_rest, strict=True)]:
+                    pending.wait()
             self._bind()
             self.state = GATHERED
         else:
@@ -233,7 +234,7 @@ class ParamGroup:
                 out.append(self.comm.reduce_scatter(shard, staging))
             else:
                 tmp = torch.empty_like(shard)
-                out.append(self.comm.reduce_scatter(tmp, staging, then=lambda s=shard, t=tmp: s.add_(t)))
+                out.append(self.comm.reduce_scatter(tmp, staging, then=functools.partial(shard.add_, tmp)))
         return out
 
     def staging_bytes(self) -> int:

@@ -10,38 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from zerorun.runtime.memory import MemoryLedger
+from zerorun.runtime.sharded_state import ParamShardStore
 
-__all__ = ["ParamShardStore", "DeviceParamStore"]
-
-
-class ParamShardStore:
-    """Base class; see docs/architecture.md (Contract 6) for the contract."""
-
-    #: True when ``fetch`` returns the at-rest shard itself (it lives on the training device).
-    #: With one rank such a shard *is* the whole flat buffer, so stage 3 binds the parameters to
-    #: it for good and never gathers or releases (no copy at all).
-    resident: bool = False
-
-    def allocate(self, key: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        raise NotImplementedError
-
-    def fetch(self, key: int, shard: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
-
-    def release(self, key: int, fetched: torch.Tensor) -> None:
-        return None
-
-    def tensors(self) -> list[torch.Tensor]:
-        raise NotImplementedError
-
-    def add_memory(self, ledger: MemoryLedger) -> None:
-        """Bytes held beyond ``tensors()`` (host buffers, files), for ``engine.memory_summary``."""
-        return None
-
-    def close(self) -> None:
-        """Release what the store holds (``engine.destroy``)."""
-        return None
+__all__ = ["ParamShardStore", "DeviceParamStore"]  # the base lives beside ShardPlacement
 
 
 class DeviceParamStore(ParamShardStore):
