@@ -1,6 +1,7 @@
 """zero_optimization.zenflow: every DeepSpeed ZenFlow key and its "auto" values accepted and
-validated like DeepSpeed (ranges, strategy/interval rules); the section is not acted on yet,
-which print-config's notices say."""
+validated like DeepSpeed (ranges, strategy/interval rules); the keys zerorun does not act on
+are print-config notices, its own choices for "auto" values are warnings; the settings the
+runtime gets (tests/runtime/test_offload_zenflow.py runs them)."""
 
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ ALL_KEYS = {
 
 
 def _load(zenflow: dict, device: str = "cpu", stage: int = 2):  # noqa: ANN202
-    return load_config({"zero_optimization": {"stage": stage, "offload_optimizer": {"device": device}, "zenflow": zenflow}})
+    zero = {"stage": stage, "offload_optimizer": {"device": device}, "zenflow": zenflow}
+    return load_config({"train_micro_batch_size_per_gpu": 1, "zero_optimization": zero})
 
 
 def test_every_deepspeed_key_is_accepted_and_noticed() -> None:
@@ -32,7 +34,10 @@ def test_every_deepspeed_key_is_accepted_and_noticed() -> None:
     zf = loaded.config.zero_optimization.zenflow
     assert {k: getattr(zf, k) for k in ALL_KEYS} == ALL_KEYS
     assert loaded.warnings == []
-    assert loaded.notices == ["zero_optimization.zenflow: DeepSpeed section accepted; zerorun does not act on it"]
+    assert sorted(loaded.notices) == sorted(
+        f"zero_optimization.zenflow.{k} = {v}: DeepSpeed key accepted; zerorun does not act on it"
+        for k, v in (("overlap_step", "true"), ("offload", "true"), ("auto_ratio", 0.95), ("pt_reserved_cores_perc", 0.25))
+    )
     defaults = _load({}).config.zero_optimization.zenflow  # DeepSpeed's defaults, "auto" intervals
     assert (defaults.topk_ratio, defaults.select_strategy, defaults.select_interval, defaults.update_interval) == (
         0.1, "auto", "auto", "auto",
@@ -63,7 +68,39 @@ def test_mistakes_are_clear_errors(zenflow: dict, needle: str) -> None:
 
 
 def test_warnings() -> None:
-    ignored = _load({"select_interval": 3})
+    ignored = _load({"select_interval": 3, "update_interval": 2, "steps_per_epoch": 10})
     assert any('ignored with select_strategy "auto"' in w for w in ignored.warnings)
     no_offload = _load({"topk_ratio": 0.05}, device="none")
     assert any("ZenFlow is a mode of CPU optimizer offload" in w for w in no_offload.warnings)
+    autos = _load({})
+    assert any('update_interval = "auto"' in w and "zerorun uses 4" in w for w in autos.warnings)
+    assert any("selected once" in w for w in autos.warnings)  # epoch strategy, steps per epoch unknown
+
+
+@pytest.mark.parametrize(
+    ("extra", "needle"),
+    [
+        ({"offload_optimizer": {"device": "cpu", "ratio": 0.5}}, "offload_optimizer.ratio < 1"),
+        ({"offload_param": {"device": "cpu"}, "stage": 3}, "remove offload_param"),
+    ],
+)
+def test_combinations_that_are_errors(extra: dict, needle: str) -> None:
+    zero = {"stage": 2, "offload_optimizer": {"device": "cpu"}, "zenflow": {"update_interval": 2}, **extra}
+    with pytest.raises(ConfigError) as err:
+        load_config({"zero_optimization": zero})
+    assert needle in str(err.value)
+    with pytest.raises(ConfigError, match="delayed_param_update"):
+        load_config({"zero_optimization": {**zero, **{k: v for k, v in extra.items() if k == "stage"}, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "none"}}, "zerorun": {"delayed_param_update": True}})
+
+
+def test_settings_resolve_the_intervals() -> None:
+    from zerorun.runtime.settings import settings_from_config
+
+    def zf(section: dict, device: str = "cpu"):  # noqa: ANN202
+        return settings_from_config(_load(section, device=device).config, world_size=1).offload.zenflow
+
+    s = zf({"topk_ratio": 0.05, "select_strategy": "step", "select_interval": 8, "update_interval": 4, "full_warm_up_rounds": 3})
+    assert (s.topk_ratio, s.select_interval, s.update_interval, s.warmup) == (0.05, 8, 4, 3)
+    assert zf({"select_strategy": "epoch", "select_interval": 2, "steps_per_epoch": 50, "update_interval": 4}).select_interval == 100
+    assert zf({}).select_interval == 0 and zf({}).update_interval == 4  # once; "auto" -> 4
+    assert zf({}, device="none") is None

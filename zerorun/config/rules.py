@@ -269,6 +269,23 @@ def _ratio_rules(raw: RawConfig, config: ZerorunConfig, opt_dev: str) -> tuple[l
     return errors, warnings
 
 
+# zerorun's value for update_interval "auto" (DeepSpeed adapts it while training, from auto_ratio;
+# not built): DeepSpeed's documented example value.
+ZENFLOW_AUTO_UPDATE_INTERVAL = 4
+
+
+def zenflow_intervals(zf: Any) -> tuple[int, int]:
+    """(select_interval, update_interval) in optimizer steps, as zerorun runs ZenFlow: strategy
+    ``step`` takes select_interval as is; ``epoch`` (and ``auto``: one epoch) multiplies it by
+    ``steps_per_epoch``, and without it selects once (0), as DeepSpeed does without a data
+    loader; update_interval ``"auto"`` is ZENFLOW_AUTO_UPDATE_INTERVAL."""
+    update = ZENFLOW_AUTO_UPDATE_INTERVAL if zf.update_interval == AUTO else int(zf.update_interval)
+    if zf.select_strategy == "step":
+        return int(zf.select_interval), update
+    epochs = 1 if zf.select_strategy == AUTO or zf.select_interval == AUTO else int(zf.select_interval)
+    return (epochs * zf.steps_per_epoch if zf.steps_per_epoch else 0), update
+
+
 def _zenflow_rules(raw: RawConfig, config: ZerorunConfig, opt_dev: str) -> tuple[list[str], list[str]]:
     """DeepSpeed's cross-key rules of ``zero_optimization.zenflow`` (its configure_zenflow)."""
     errors: list[str] = []
@@ -299,7 +316,29 @@ def _zenflow_rules(raw: RawConfig, config: ZerorunConfig, opt_dev: str) -> tuple
     if opt_dev != "cpu":
         warnings.append(
             f"{raw.where(path)}: ZenFlow is a mode of CPU optimizer offload; it needs "
-            "zero_optimization.offload_optimizer.device 'cpu' at stage 1-3"
+            "zero_optimization.offload_optimizer.device 'cpu' at stage 1-3 (no effect here)"
+        )
+        return errors, warnings
+    zero = config.zero_optimization
+    if zero.offload_optimizer.ratio == AUTO or zero.offload_optimizer.ratio < 1.0:
+        errors.append(f"{raw.where(path)} with offload_optimizer.ratio < 1: use one of the two")
+    if config.zerorun.delayed_param_update:
+        errors.append(f"{raw.where(path)} with zerorun.delayed_param_update: use one of the two")
+    if zero.stage == 3 and zero.offload_param.device != "none":
+        errors.append(
+            f"{raw.where(path)} with offload_param: ZenFlow writes its important columns into the parameter "
+            "shards on the GPU; remove offload_param"
+        )
+    if zf.update_interval == AUTO:
+        warnings.append(
+            f"{raw.where((*path, 'update_interval'))} = \"auto\": DeepSpeed's adaptive interval is not built; "
+            f"zerorun uses {ZENFLOW_AUTO_UPDATE_INTERVAL} (set a number to choose)"
+        )
+    if zf.select_strategy != "step" and not zf.steps_per_epoch:
+        warnings.append(
+            f"{raw.where((*path, 'select_strategy'))} = {zf.select_strategy!r} re-selects every epoch, but the steps "
+            "per epoch are unknown: the important columns are selected once (set steps_per_epoch, or "
+            "select_strategy \"step\" with a select_interval)"
         )
     return errors, warnings
 

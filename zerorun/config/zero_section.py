@@ -85,9 +85,9 @@ class OffloadOptimizer(Section):
 
 
 class ZenFlow(Section):
-    """`zero_optimization.zenflow`: DeepSpeed's ZenFlow (selective updates with CPU offload). Every
-    DeepSpeed key and its `"auto"` values are accepted and validated as DeepSpeed does; zerorun
-    does not act on the section yet (print-config says so; docs/offload.md)."""
+    """`zero_optimization.zenflow`: DeepSpeed's ZenFlow (selective updates with CPU offload; changes
+    the math). Every DeepSpeed key and its `"auto"` values are accepted and validated as DeepSpeed
+    does; docs/offload.md says how zerorun runs it and which keys it does not act on."""
 
     topk_ratio: Real = field(0.1, "Share (0..1) of the most important gradient columns updated on the GPU every step.")
     select_strategy: Literal["auto", "step", "epoch"] = field(
@@ -101,12 +101,16 @@ class ZenFlow(Section):
         "Steps between CPU updates of the accumulated unimportant columns (DeepSpeed sets gradient_accumulation_steps "
         "to it); `auto`: adaptive, from `auto_ratio`.",
     )
-    overlap_step: Flag = field(False, "Overlap the CPU update with the next forward/backward.")
-    offload: Flag = field(False, "Keep the selective (important-column) optimizer states on the CPU too.")
-    auto_ratio: Real = field(0.99, "Threshold of the adaptive `update_interval: auto`.")
+    overlap_step: Flag = field(False, "Overlap the CPU update with the next forward/backward.", acted_on=False)
+    offload: Flag = field(
+        False, "Keep the selective (important-column) optimizer states on the CPU too.", acted_on=False
+    )
+    auto_ratio: Real = field(0.99, "Threshold of the adaptive `update_interval: auto`.", acted_on=False)
     full_warm_up_rounds: Count = field(0, "Steps of full (non-selective) updates before selection starts.", ge=0)
     pt_reserved_cores_perc: Real = field(
-        0.5, "Share of the CPU cores left to PyTorch's threads; the rest run the ZenFlow CPU optimizer."
+        0.5,
+        "Share of the CPU cores left to PyTorch's threads; the rest run the ZenFlow CPU optimizer.",
+        acted_on=False,
     )
     steps_per_epoch: Count | None = field(
         None, "Steps per epoch for strategy `epoch` (DeepSpeed fills it from its data loader).", ge=1
@@ -251,9 +255,8 @@ class ZeroOptimization(Section):
     zenflow: ZenFlow | None = field(
         None,
         "DeepSpeed's ZenFlow: top-k gradient columns updated on the GPU every step, the rest accumulated and "
-        "updated on the CPU every `update_interval` steps (changes the math).",
+        "updated on the CPU every `update_interval` steps (changes the math; docs/offload.md).",
         stages=(1, 2, 3),
-        acted_on=False,
     )
 
     @field_validator("stage")

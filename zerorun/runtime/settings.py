@@ -116,6 +116,17 @@ class SchedulerSettings:
 
 
 @dataclass(frozen=True)
+class ZenFlowSettings:
+    """``zero_optimization.zenflow`` as zerorun runs it (runtime/offload/zenflow.py): the
+    ``"auto"`` values resolved by config rules (docs/offload.md)."""
+
+    topk_ratio: float  # share of each parameter's columns updated on the device every step
+    select_interval: int  # optimizer steps between re-selections; 0: select once
+    update_interval: int  # optimizer steps between CPU updates of the other columns
+    warmup: int  # full_warm_up_rounds: exact offloaded steps first
+
+
+@dataclass(frozen=True)
 class OffloadSettings:
     """``zero_optimization.offload_optimizer`` / ``offload_param`` / ``sub_group_size`` and
     zerorun's offload keys, as they act at the configured stage (``config.rules.offload_in_effect``:
@@ -138,6 +149,7 @@ class OffloadSettings:
     # None for "auto": the GPU keeps as many shard elements as ``device_budget_numel``.
     ratio: float | None
     device_budget_numel: int  # zerorun.offload_gpu_budget_gb / (fp32 master + states bytes)
+    zenflow: ZenFlowSettings | None  # zero_optimization.zenflow, where it acts (config.rules)
 
     @property
     def enabled(self) -> bool:
@@ -228,6 +240,18 @@ def _opt_int(value: int | str | None) -> int | None:
     return None if value is None or value == "auto" else int(value)
 
 
+def _zenflow(cfg: ZerorunConfig, opt_dev: str) -> ZenFlowSettings | None:
+    from zerorun.config.rules import zenflow_intervals
+
+    zf = cfg.zero_optimization.zenflow
+    if zf is None or opt_dev != "cpu":
+        return None
+    select, update = zenflow_intervals(zf)
+    return ZenFlowSettings(
+        topk_ratio=float(zf.topk_ratio), select_interval=select, update_interval=update, warmup=zf.full_warm_up_rounds
+    )
+
+
 def settings_from_config(
     cfg: ZerorunConfig, *, world_size: int, micro_batch_hint: int | None = None
 ) -> RuntimeSettings:
@@ -306,6 +330,7 @@ def settings_from_config(
             cpu_threads=zr.offload_cpu_threads,
             ratio=None if zero.offload_optimizer.ratio == "auto" else float(zero.offload_optimizer.ratio),
             device_budget_numel=offload_budget_numel(cfg),
+            zenflow=_zenflow(cfg, opt_dev),
         ),
         stage3=Stage3Settings(
             persistence_threshold=int(_or_default(zero, "stage3_param_persistence_threshold")),

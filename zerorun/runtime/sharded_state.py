@@ -99,9 +99,10 @@ class ShardPlacement:
         return None
 
     # Generic hooks with no-op defaults (an offload placement uses them):
-    def plan(self, numels: Sequence[int]) -> None:
-        """The shard sizes of every flat buffer, before the first ``make_master`` (a partial
-        offload decides here which masters stay on the device)."""
+    def plan(self, numels: Sequence[int], layouts: Sequence[FlatLayout] | None = None, shard_index: int = 0) -> None:
+        """The shard sizes of every flat buffer (and the layouts, this rank's shard index),
+        before the first ``make_master``: a partial offload decides here which masters stay on
+        the device, ZenFlow learns the parameters' columns."""
         return None
 
     def grad_ready(self, index: int, grad_shard: torch.Tensor, optimizer: Optimizer | None) -> None:
@@ -170,7 +171,7 @@ class ShardedOptimizerState:
         self.layouts = list(layouts)
         self.shard_index = shard_index
         self.placement = placement
-        placement.plan([p.numel() for p in param_shards])
+        placement.plan([p.numel() for p in param_shards], self.layouts, shard_index)
         self.masters: list[torch.Tensor] = [
             placement.make_master(i, param_shards[i], functools.partial(fp32_init, i))
             for i in range(len(self.layouts))

@@ -14,6 +14,8 @@ at-rest parameter shards on the host. See docs/offload.md.
     dpu.py       the optional one-step delayed parameter update
     cpu.py       masters and states in host memory
     nvme.py      masters and states in files, stepped in tiles with read-ahead
+    twinflow.py  offload_optimizer.ratio: which masters stay on the device
+    zenflow.py   zero_optimization.zenflow: selective updates (important columns on the device)
     params.py    stage 3 parameter shards at rest on the host (ParamShardStore)
 """
 
@@ -35,6 +37,10 @@ def placement_for(settings: RuntimeSettings, device: torch.device) -> ShardPlace
         from zerorun.runtime.offload.nvme import NvmePlacement
 
         placement = NvmePlacement(opts, device)
+    elif opts.optimizer_device == "cpu" and opts.zenflow is not None:
+        from zerorun.runtime.offload.zenflow import ZenFlowPlacement
+
+        placement = ZenFlowPlacement(opts, device)
     elif opts.optimizer_device == "cpu":
         from zerorun.runtime.offload.cpu import CpuPlacement
 

@@ -152,7 +152,7 @@ class HostPlacement(ShardPlacement):
         return None
 
     # -- ShardPlacement -------------------------------------------------------------------------
-    def plan(self, numels: Sequence[int]) -> None:
+    def plan(self, numels: Sequence[int], layouts: Sequence[Any] | None = None, shard_index: int = 0) -> None:
         split = self.partial_ok and (self.opts.ratio is None or self.opts.ratio < 1.0)
         self._plan = device_buffers(numels, self.opts.ratio, self.opts.device_budget_numel) if split else None
 

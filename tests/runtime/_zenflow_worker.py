@@ -1,0 +1,263 @@
+"""One rank (world 1) of the ZenFlow test: each case trains a small model through zerorun with
+`zero_optimization.zenflow` and, in the same process, through a plainly written reference of
+zerorun's ZenFlow rule (docs/offload.md); writes {case: result} for test_offload_zenflow.py.
+
+argv: OUT_JSON. Run by test_offload_zenflow.py via _spawn.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _models  # noqa: E402
+
+import zerorun  # noqa: E402
+
+VOCAB, LR, WD, B1, B2, EPS = 64, 2e-2, 0.01, 0.9, 0.999, 1e-8
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+# name -> (stage, dtype, clip, accum, steps, (topk_ratio, select_interval (0: once), update_interval, warm-up))
+CASES: dict[str, tuple[int, str, float, int, int, tuple[float, int, int, int]]] = {
+    "z1-fp32-reselect": (1, "fp32", 0.0, 1, 8, (0.25, 3, 2, 1)),
+    "z2-bf16-clip": (2, "bf16", 0.05, 1, 8, (0.3, 4, 2, 0)),
+    "z3-fp32-once-ga2": (3, "fp32", 0.0, 2, 6, (0.2, 0, 3, 2)),
+}
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, 24)
+        self.up = nn.Linear(24, 40)
+        self.down = nn.Linear(40, 24)
+        self.head = nn.Linear(24, VOCAB)
+
+    def forward(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        h = self.down(F.gelu(self.up(self.emb(ids))))
+        return F.cross_entropy(self.head(h).float().view(-1, VOCAB), targets.view(-1))
+
+
+def batch(step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + micro)
+    return torch.randint(0, VOCAB, (2, 8), generator=g), torch.randint(0, VOCAB, (2, 8), generator=g)
+
+
+def config(stage: int, dtype: str, clip: float, accum: int, zf: tuple[float, int, int, int]) -> dict:
+    topk, select, update, warm = zf
+    zero: dict = {
+        "stage": stage,
+        "reduce_bucket_size": 2000,
+        "sub_group_size": 700,  # several CPU tiles per shard
+        "offload_optimizer": {"device": "cpu"},
+        "zenflow": {
+            "topk_ratio": topk,
+            "select_strategy": "step" if select else "auto",
+            "select_interval": select or "auto",
+            "update_interval": update,
+            "full_warm_up_rounds": warm,
+        },
+    }
+    if stage == 3:
+        zero["stage3_param_persistence_threshold"] = 0
+    cfg = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": accum,
+        "gradient_clipping": clip,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD}},
+        "zero_optimization": zero,
+        "steps_per_print": 1000,
+    }
+    if dtype == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    return cfg
+
+
+def reference(model: nn.Module, dtype: torch.dtype, clip: float, accum: int, steps: int, zf: tuple) -> dict:
+    """zerorun's ZenFlow rule, plainly: AdamW on masked elements of whole parameters. Columns of
+    a parameter of 2+ dimensions: its last dimension; 1-D parameters always important. The
+    important elements step every step (their own counter, started from the warm-up count), the
+    others on the mean of their summed gradients every update_interval steps and before a
+    re-selection (the host counter); selection = top ceil(topk * C) squared column norms of the
+    step's clipped gradient."""
+    topk, interval, update, warm = zf
+    master = model
+    compute = copy.deepcopy(master).to(dtype) if dtype != torch.float32 else master
+    names = [n for n, p in master.named_parameters()]
+    ps = list(master.parameters())
+    cs = list(compute.parameters())
+    m = [torch.zeros_like(p) for p in ps]
+    v = [torch.zeros_like(p) for p in ps]
+    acc = [torch.zeros_like(p) for p in ps]
+    state = {"slow": 0, "fast": 0, "count": 0, "zf": 0}
+    important: list[torch.Tensor] = []
+
+    def adamw(masks: list[torch.Tensor], grads: list[torch.Tensor], t: int) -> None:
+        with torch.no_grad():
+            for p, g, mm, vv, mask in zip(ps, grads, m, v, masks, strict=True):
+                p[mask] = p[mask] * (1 - LR * WD)
+                mm[mask] = B1 * mm[mask] + (1 - B1) * g[mask]
+                vv[mask] = B2 * vv[mask] + (1 - B2) * g[mask] * g[mask]
+                denom = vv[mask].sqrt() / math.sqrt(1 - B2**t) + EPS
+                p[mask] = p[mask] - LR / (1 - B1**t) * mm[mask] / denom
+
+    def select(grads: list[torch.Tensor]) -> list[torch.Tensor]:
+        out = []
+        for g in grads:
+            if g.dim() < 2:
+                out.append(torch.ones_like(g, dtype=torch.bool))
+                continue
+            cols = g.shape[-1]
+            score = (g.reshape(-1, cols) ** 2).sum(0)
+            chosen = torch.zeros(cols, dtype=torch.bool)
+            chosen[torch.topk(score, min(cols, max(1, math.ceil(topk * cols)))).indices] = True
+            out.append(chosen.expand(g.reshape(-1, cols).shape).reshape(g.shape))
+        return out
+
+    def slow() -> None:
+        if state["count"] == 0:
+            return
+        state["slow"] += 1
+        adamw([~s for s in important], [a / state["count"] for a in acc], state["slow"])
+        for a in acc:
+            a.zero_()
+        state["count"] = 0
+
+    losses = []
+    for step in range(steps):
+        grads = [torch.zeros_like(p, dtype=torch.float32) for p in cs]
+        for micro in range(accum):
+            loss = compute(*batch(step, micro))
+            losses.append(float(loss.detach()))
+            (loss / accum).backward()
+            for g, p in zip(grads, cs, strict=True):
+                if p.grad is not None:
+                    g.add_(p.grad.float())
+                    p.grad = None
+        if clip > 0:
+            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+            coef = torch.clamp(torch.tensor(clip) / (norm + 1e-6), max=1.0)
+            grads = [g * coef for g in grads]
+        if step < warm:
+            state["slow"] += 1
+            adamw([torch.ones_like(g, dtype=torch.bool) for g in grads], grads, state["slow"])
+        else:
+            if not important:
+                important[:] = select(grads)
+                state["fast"] = state["slow"]
+            elif interval and state["zf"] % interval == 0:
+                slow()
+                important[:] = select(grads)
+            state["fast"] += 1
+            adamw(important, grads, state["fast"])
+            for a, g in zip(acc, grads, strict=True):
+                a.add_(g)
+            state["count"] += 1
+            state["zf"] += 1
+            if state["count"] >= update:
+                slow()
+        if compute is not master:
+            with torch.no_grad():
+                for c, p in zip(cs, ps, strict=True):
+                    c.copy_(p)
+    return {
+        "losses": losses,
+        "master": {n: p.detach().clone() for n, p in zip(names, ps, strict=True)},
+        "compute": {n: p.detach().float().clone() for n, p in compute.named_parameters()},
+    }
+
+
+def exact_losses(model: nn.Module, dtype: torch.dtype, clip: float, accum: int, steps: int) -> list[float]:
+    """Plain AdamW on every element every step: what ZenFlow departs from."""
+    master = model
+    compute = copy.deepcopy(master).to(dtype) if dtype != torch.float32 else master
+    opt = torch.optim.AdamW(master.parameters(), lr=LR, weight_decay=WD)
+    losses = []
+    for step in range(steps):
+        for micro in range(accum):
+            loss = compute(*batch(step, micro))
+            losses.append(float(loss.detach()))
+            (loss / accum).backward()
+        if compute is not master:
+            for p, c in zip(master.parameters(), compute.parameters(), strict=True):
+                p.grad, c.grad = c.grad.float(), None
+        if clip > 0:
+            torch.nn.utils.clip_grad_norm_(master.parameters(), clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if compute is not master:
+            with torch.no_grad():
+                for c, p in zip(compute.parameters(), master.parameters(), strict=True):
+                    c.copy_(p)
+    return losses
+
+
+def run(name: str) -> dict:
+    stage, dtype, clip, accum, steps, zf = CASES[name]
+    torch.manual_seed(7)
+    model = Net()
+    ref_model = copy.deepcopy(model)
+    exact_model = copy.deepcopy(model)
+    engine, _, _, _ = zerorun.initialize(model=model, config=config(stage, dtype, clip, accum, zf))
+    placement = engine.stage.state.placement
+    losses = []
+    for step in range(steps):
+        for micro in range(accum):
+            loss = engine(*batch(step, micro))
+            losses.append(loss.item())
+            engine.backward(loss)
+            engine.step()
+    masters = _models.full_masters(engine)
+    if stage == 3:
+        with zerorun.zero.GatheredParameters(list(model.parameters())):
+            compute = {n: p.detach().float().clone() for n, p in model.named_parameters()}
+    else:
+        compute = {n: p.detach().float().clone() for n, p in model.named_parameters()}
+    memory = engine.memory_summary()
+    info = {
+        "placement": type(placement).__name__,
+        "zf_steps": placement.zf_steps,
+        "cpu_updates": placement.cpu_updates,
+        "selections": placement.selections,
+        "steps": placement.steps,
+        "n_buffers": len(engine.stage.state.masters),
+        "important": [int(i.numel()) if i is not None else 0 for i in placement._idx],
+        "shard": [int(m.numel()) for m in engine.stage.state.masters],
+        "memory": memory,
+    }
+    engine.destroy()
+    ref = reference(ref_model, DTYPES[dtype], clip, accum, steps, zf)
+    exact = exact_losses(exact_model, DTYPES[dtype], clip, accum, steps)
+
+    def err(a: torch.Tensor, b: torch.Tensor) -> list[float]:
+        return [float((a - b).abs().max()), float(b.abs().max())]
+
+    return {
+        **info,
+        "losses": losses,
+        "ref_losses": ref["losses"],
+        "exact_losses": exact,
+        "master_err": {n: err(masters[n], ref["master"][n]) for n in ref["master"]},
+        "compute_err": {n: err(compute[n], ref["compute"][n]) for n in ref["compute"]},
+    }
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    torch.use_deterministic_algorithms(True)
+    results = {name: run(name) for name in CASES}
+    out.write_text(json.dumps(results))
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

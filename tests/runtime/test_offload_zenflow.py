@@ -1,0 +1,74 @@
+"""ZenFlow (zero_optimization.zenflow) through zerorun against a plainly written reference of its
+update rule (_zenflow_worker.reference; docs/offload.md), stages 1-3 at world 1 in one launch:
+fp32 and bf16, clipping, gradient accumulation, re-selection and select-once, warm-up. Also
+that the rule really departs from exact AdamW (the math changes), and that the schedule of
+selections and CPU updates is the documented one."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from ._spawn import results_per_world
+
+HERE = Path(__file__).resolve().parent
+# name -> (stage, dtype, clip, accum, steps, (topk_ratio, select_interval, update_interval, warm-up));
+# the worker's CASES (kept in step by test_cases_are_the_workers)
+CASES = {
+    "z1-fp32-reselect": (1, "fp32", 0.0, 1, 8, (0.25, 3, 2, 1)),
+    "z2-bf16-clip": (2, "bf16", 0.05, 1, 8, (0.3, 4, 2, 0)),
+    "z3-fp32-once-ga2": (3, "fp32", 0.0, 2, 6, (0.2, 0, 3, 2)),
+}
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
+    return results_per_world(tmp_path_factory, HERE / "_zenflow_worker.py", prefix="zenflow", deadline_s=180)
+
+
+def _schedule(steps: int, select: int, update: int, warm: int) -> tuple[int, int]:
+    """(selections, CPU updates) of docs/offload.md's rule."""
+    selections = updates = count = 0
+    for zf in range(steps - warm):
+        if zf == 0:
+            selections += 1
+        elif select and zf % select == 0:
+            if count:
+                updates, count = updates + 1, 0
+            selections += 1
+        count += 1
+        if count >= update:
+            updates, count = updates + 1, 0
+    return selections, updates
+
+
+def test_cases_are_the_workers() -> None:
+    import sys
+
+    sys.path.insert(0, str(HERE))
+    import _zenflow_worker
+
+    assert _zenflow_worker.CASES == CASES
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_zenflow_matches_its_reference(results, name: str) -> None:  # noqa: ANN001
+    r = results(1)[name]
+    stage, dtype, clip, accum, steps, (topk, select, update, warm) = CASES[name]
+    assert r["placement"] == "ZenFlowPlacement"
+    assert r["steps"] == steps and r["zf_steps"] == steps - warm
+    assert (r["selections"], r["cpu_updates"]) == _schedule(steps, select, update, warm)
+    for important, shard in zip(r["important"], r["shard"], strict=True):
+        assert 0 < important < shard  # some columns on the device, the rest on the host
+    tol = 1e-5 if dtype == "fp32" else 2.0**-7
+    for i, (a, b) in enumerate(zip(r["losses"], r["ref_losses"], strict=True)):
+        assert abs(a - b) <= tol * abs(b) + 1e-6, f"loss #{i}: {a} vs reference {b}"
+    for n, (err, scale) in r["master_err"].items():
+        assert err <= (1e-5 if dtype == "fp32" else 1e-3) * scale + 1e-6, f"master {n}: {err} (max |w| {scale})"
+    for n, (err, scale) in r["compute_err"].items():
+        assert err <= tol * scale + 1e-6, f"param {n}: {err}"
+    # The rule changes the math: after the first selective step the losses leave exact AdamW's.
+    first = (warm + 1) * accum
+    assert max(abs(a - b) for a, b in zip(r["losses"][first:], r["exact_losses"][first:], strict=True)) > 1e-4
+    assert r["losses"][: (warm + 1) * accum] == pytest.approx(r["exact_losses"][: (warm + 1) * accum], rel=1e-4)

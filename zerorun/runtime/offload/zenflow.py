@@ -1,0 +1,284 @@
+"""ZenFlow (``zero_optimization.zenflow``): selective updates with CPU optimizer offload. Changes
+the math (docs/offload.md).
+
+zerorun's rule, per flat buffer shard of this rank (masters and Adam states on the host, as with
+plain CPU offload):
+
+* columns: a parameter of two or more dimensions is seen as ``[numel / C, C]`` (C its last
+  dimension); column j is every element whose index is j mod C. One-dimensional parameters
+  (biases, norms) are always "important".
+* selection: at the first selective step and every ``select_interval`` steps after it, the
+  ``ceil(topk_ratio * C)`` columns with the largest squared gradient norm (this step's clipped
+  gradient, over the rows this rank holds) become the important ones of each parameter.
+* every step, the important elements are updated by Adam(W) **on the training device**, from
+  compact device copies of their master, m and v, with a step counter of their own; the 16-bit
+  parameter gets them at once.
+* the other elements' gradients are summed on the device; every ``update_interval`` steps (and
+  at a re-selection) their mean is copied to the host and the CPU steps them with Adam(W) (one
+  step, the host states' own counter), then they are copied up as with plain offload.
+* at a re-selection, the compact device states go back into the host arrays and the new
+  important ones are gathered from them (an element keeps its m and v; the bias correction
+  uses the counter of the side it is on).
+* ``full_warm_up_rounds``: that many plain offloaded (exact) steps first.
+
+Checkpoints hold the masters and Adam states after folding the device part back
+(``synchronize``); the gradient sum of an unfinished interval is not saved.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.optim import Optimizer
+
+from zerorun.runtime.offload.adam import adam_tile, hyper_of, supports_tiles
+from zerorun.runtime.offload.cpu import CpuPlacement
+from zerorun.runtime.partition import FlatLayout
+
+__all__ = ["ZenFlowPlacement", "column_pieces"]
+
+# (start, end) in the shard, the parameter's column count C (0: one-dimensional, always
+# important), the offset of `start` inside the parameter's flattened values.
+Piece = tuple[int, int, int, int]
+
+
+def column_pieces(layout: FlatLayout, shard_index: int) -> list[Piece]:
+    start, end = layout.shard_range(shard_index)
+    out: list[Piece] = []
+    for slot, lo, hi in layout.pieces_in_range(start, end):
+        shape = tuple(slot.shape)
+        cols = int(shape[-1]) if len(shape) >= 2 else 0
+        a = slot.offset + lo - start
+        out.append((a, a + (hi - lo), cols, lo))
+    return out
+
+
+def select_mask(grad: torch.Tensor, pieces: Sequence[Piece], topk_ratio: float) -> torch.Tensor:
+    """Important elements of one shard (bool, on the gradient's device)."""
+    mask = torch.zeros(grad.numel(), dtype=torch.bool, device=grad.device)
+    for a, b, cols, lo in pieces:
+        if cols == 0:
+            mask[a:b] = True
+            continue
+        seg = grad[a:b].float()
+        col = (torch.arange(lo, lo + (b - a), device=grad.device) % cols)
+        score = torch.zeros(cols, dtype=torch.float32, device=grad.device).index_add_(0, col, seg * seg)
+        k = min(cols, max(1, math.ceil(topk_ratio * cols)))
+        chosen = torch.zeros(cols, dtype=torch.bool, device=grad.device)
+        chosen[torch.topk(score, k).indices] = True
+        mask[a:b] = chosen[col]
+    return mask
+
+
+class ZenFlowPlacement(CpuPlacement):
+    name = "zenflow"
+    partial_ok = False
+
+    def __init__(self, opts: Any, device: torch.device) -> None:
+        super().__init__(opts, device)
+        zf = opts.zenflow
+        assert zf is not None
+        self.zf = zf
+        self._pieces: list[list[Piece]] = []
+        self._gdev: dict[int, torch.Tensor] = {}
+        self._acc: list[torch.Tensor | None] = []  # device sums of the gradients since the last CPU update
+        self._count = 0  # steps summed into _acc
+        self._idx: list[torch.Tensor | None] = []  # important elements (device, sorted)
+        self._fast: list[dict[str, torch.Tensor] | None] = []  # compact device master/m/v of them
+        self._fast_step: list[torch.Tensor | None] = []
+        self.zf_steps = 0  # selective steps taken
+        self.cpu_updates = 0  # CPU updates of the unimportant elements
+        self.selections = 0
+        self._slow_now = False
+
+    # -- layout ---------------------------------------------------------------------------------
+    def plan(self, numels: Sequence[int], layouts: Sequence[FlatLayout] | None = None, shard_index: int = 0) -> None:
+        super().plan(numels, layouts, shard_index)
+        assert layouts is not None, "ZenFlow needs the flat layouts"
+        self._pieces = [column_pieces(layout, shard_index) for layout in layouts]
+        n = len(layouts)
+        self._acc, self._idx, self._fast, self._fast_step = [None] * n, [None] * n, [None] * n, [None] * n
+
+    # -- the step -------------------------------------------------------------------------------
+    @property
+    def _selective(self) -> bool:
+        return self.steps >= self.zf.warmup
+
+    def grad_ready(self, index: int, grad_shard: torch.Tensor, optimizer: Optimizer | None) -> None:
+        if not self._selective:
+            super().grad_ready(index, grad_shard, optimizer)
+
+    def grad_for_step(self, index: int, grad_shard: torch.Tensor, master: torch.Tensor) -> torch.Tensor:
+        if not self._selective:
+            return super().grad_for_step(index, grad_shard, master)
+        self._in_step = True
+        self._gdev[index] = grad_shard
+        return self.grads[index]
+
+    def before_step(self) -> None:
+        if not self._selective:
+            super().before_step()
+
+    def _step(self, optimizer: Optimizer) -> None:
+        if not self._selective or not supports_tiles(optimizer):
+            if self._selective:
+                _warn_once(f"zenflow: {type(optimizer).__name__} is not supported (Adam and AdamW are); exact steps")
+            super()._step(optimizer)
+            return
+        self._optimizer = optimizer
+        self._group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+        first = self._idx[0] is None if self._idx else True
+        interval = self.zf.select_interval
+        reselect = not first and interval > 0 and self.zf_steps % interval == 0
+        if first:
+            self._select()
+        elif reselect:
+            # The interval's sum is applied before the sets change; the device part goes back to
+            # the host, and the whole host master is copied up (write_back) before the new
+            # important elements are written over it (after_write_back).
+            self._cpu_update(optimizer, push=False)
+            self._fold_back()
+            self._fresh = [True] * len(self.masters)
+            self._slow_now = True
+            self._select()
+        self._fast_update(optimizer)
+        self._accumulate()
+        self.zf_steps += 1
+        self.steps += 1
+        if self._count >= self.zf.update_interval:
+            self._slow_now = True
+            self._cpu_update(optimizer, push=True)
+
+    def _select(self) -> None:
+        self.selections += 1
+        for i, master in enumerate(self.masters):
+            g = self._gdev[i].reshape(-1)
+            idx = select_mask(g, self._pieces[i], self.zf.topk_ratio).nonzero().squeeze(1)
+            self._idx[i] = idx
+            host_idx = idx.cpu()
+            state = self._host_state(i)
+            self._fast[i] = {
+                "param": master[host_idx].to(self.device),
+                "exp_avg": state["exp_avg"][host_idx].to(self.device),
+                "exp_avg_sq": state["exp_avg_sq"][host_idx].to(self.device),
+            }
+            if self._fast_step[i] is None:
+                self._fast_step[i] = state["step"].clone().to(self.device)
+
+    def _host_state(self, i: int) -> dict[str, torch.Tensor]:
+        assert self._optimizer is not None
+        from zerorun.runtime.offload.adam import ensure_state
+
+        group = self._group_of[id(self.masters[i])]
+        h = hyper_of(self._optimizer, group)
+        return ensure_state(self._optimizer, self.masters[i], h, make=lambda key, i=i: self._state_tensor(i, key))
+
+    def _fold_back(self) -> None:
+        """The compact device part back into the host master and states."""
+        for i, master in enumerate(self.masters):
+            fast, idx = self._fast[i], self._idx[i]
+            if fast is None or idx is None:
+                continue
+            host_idx = idx.cpu()
+            state = self._host_state(i)
+            with torch.no_grad():
+                master[host_idx] = fast["param"].cpu()
+                state["exp_avg"][host_idx] = fast["exp_avg"].cpu()
+                state["exp_avg_sq"][host_idx] = fast["exp_avg_sq"].cpu()
+
+    def _fast_update(self, optimizer: Optimizer) -> None:
+        with torch.no_grad():
+            for i in range(len(self.masters)):
+                fast, idx, step = self._fast[i], self._idx[i], self._fast_step[i]
+                assert fast is not None and idx is not None and step is not None
+                h = hyper_of(optimizer, self._group_of[id(self.masters[i])])
+                step += 1
+                g = self._gdev[i].reshape(-1)[idx].float()
+                adam_tile(fast["param"], g, fast["exp_avg"], fast["exp_avg_sq"], None, step, h)
+
+    def _accumulate(self) -> None:
+        with torch.no_grad():
+            for i in range(len(self.masters)):
+                g = self._gdev[i].reshape(-1)
+                acc = self._acc[i]
+                if acc is None:
+                    self._acc[i] = acc = torch.zeros(g.numel(), dtype=torch.float32, device=g.device)
+                acc.add_(g)
+        self._count += 1
+
+    def _cpu_update(self, optimizer: Optimizer, *, push: bool) -> None:
+        """The unimportant elements: the mean of the summed gradients, one CPU Adam step (the
+        important ones are stepped too, harmlessly: their host values are overwritten from the
+        device part when it folds back, and never read before)."""
+        if self._count == 0:
+            return
+        self._ready = self.copier.ready()
+        for i in range(len(self.masters)):
+            acc = self._acc[i]
+            assert acc is not None
+            acc.div_(self._count)
+            self._copy_down(i, acc)
+        self.copier.fence(self._last_down)
+        job = self._prepare(optimizer, True)
+        self.runner.run(lambda: self._update(job, push=push))
+        for acc in self._acc:
+            if acc is not None:
+                acc.zero_()
+        self._count = 0
+        self.cpu_updates += 1
+
+    def write_back(self, index: int, master: torch.Tensor, dst: torch.Tensor) -> None:
+        if not self._in_step:
+            # Outside a step (a checkpoint load): the host masters and states are the truth;
+            # the next selective step selects and gathers afresh.
+            self._idx = [None] * len(self._idx)
+            self._fast = [None] * len(self._fast)
+            self._fast_step = [None] * len(self._fast_step)
+            super().write_back(index, master, dst)
+            return
+        if not self._selective or self._idx[index] is None:
+            super().write_back(index, master, dst)
+            return
+        if self._slow_now:
+            super().write_back(index, master, dst)  # the CPU update's tiles (copied up during the step)
+        else:
+            self._targets[index] = dst
+
+    def after_write_back(self) -> None:
+        super().after_write_back()  # (training stream waits for the copies up)
+        if not self._gdev:
+            return
+        with torch.no_grad():
+            for i, fast in enumerate(self._fast):
+                dst, idx = self._targets.get(i), self._idx[i]
+                if fast is None or dst is None or idx is None:
+                    continue
+                dst.reshape(-1).index_copy_(0, idx, fast["param"].to(dst.dtype))
+        self._gdev = {}
+        self._slow_now = False
+
+    def synchronize(self) -> None:
+        super().synchronize()
+        self._fold_back()
+
+    def add_memory(self, ledger: Any) -> None:
+        super().add_memory(ledger)
+        ledger.add("grads", [a for a in self._acc if a is not None])  # the interval's gradient sums
+        ledger.add("master", [f["param"] for f in self._fast if f is not None])
+        ledger.add("optimizer_states", [f[k] for f in self._fast if f is not None for k in ("exp_avg", "exp_avg_sq")])
+
+    _optimizer: Optimizer | None = None
+    _group_of: dict[int, dict[str, Any]] = {}  # noqa: RUF012
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(message, stacklevel=3)
