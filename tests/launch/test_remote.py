@@ -65,3 +65,61 @@ def test_device_check_against_the_nodes_gpus() -> None:
     with pytest.raises(LaunchError, match="no GPU is visible"):
         build_plan(LaunchOptions(target=Target(script="t.py"), device="cuda"),
                    parse_hostfile_text("localhost slots=1\nn2 slots=1\n"), no_local_gpu, master_port=1, run_id="r")
+
+
+def test_ssh_runner_survives_a_malformed_agent_message() -> None:
+    """A bad line from an agent is kept for the node's error text; the runner's reader goes on
+    and the node's exits still reach the supervisor (before: the reader thread died, the job
+    waited for exits that never came)."""
+    import queue
+    import threading
+    from types import SimpleNamespace
+
+    from zerorun.launch.messages import RankExit, RankStarted
+    from zerorun.launch.remote import SshRunner
+    from zerorun.launch.ssh import SshOptions
+
+    plan = build_plan(
+        LaunchOptions(target=Target(script="train.py"), device="cpu"),
+        parse_hostfile_text("n1 slots=1\n"),
+        DeviceInfo(gpus=(), cores=8),
+        master_port=29500,
+        run_id="r1",
+    )
+
+    class Channel:  # the part of ssh.NodeChannel the runner uses, fed by this test
+        alias = "n1"
+        target = SimpleNamespace(display="n1")
+
+        def __init__(self) -> None:
+            self.messages: queue.Queue[dict | None] = queue.Queue()
+            self.stderr_tail: list[str] = []
+            self.last_heard = 0.0
+
+        def send(self, kind: str, **fields: object) -> bool:
+            return True
+
+        def _keep_stderr(self, text: str) -> None:
+            self.stderr_tail.append(text)
+
+        def close(self) -> None:
+            pass
+
+    channel = Channel()
+    got: list[object] = []
+    done = threading.Event()
+
+    def sink(m: object) -> None:
+        got.append(m)
+        if isinstance(m, RankExit):
+            done.set()
+
+    runner = SshRunner(plan, plan.nodes[0], channel, SshOptions(heartbeat_s=60))  # type: ignore[arg-type]
+    runner.start(sink)
+    channel.messages.put({"t": "started", "rank": 0, "pid": 11})
+    channel.messages.put({"t": "exit", "rank": "zero", "code": 1})
+    channel.messages.put({"t": "exit", "rank": 0, "code": 1})
+    channel.messages.put(None)
+    assert done.wait(5)
+    assert got == [RankStarted(0, 11), RankExit(0, 1)]
+    assert any("malformed message" in line for line in channel.stderr_tail)

@@ -36,3 +36,30 @@ def test_plan_round_trips_through_the_wire() -> None:
     # Unknown fields from a newer launcher are ignored, not fatal.
     extra = wire.plan_to_dict(plan) | {"future_field": 1}
     assert wire.plan_from_dict(extra) == plan
+
+
+def test_rank_messages_round_trip_and_malformed_ones_raise() -> None:
+    import pytest
+
+    from zerorun.launch.messages import NodeLost, RankEvent, RankExit, RankOutput, RankStarted
+
+    for m in (
+        RankOutput(3, "stderr", "Traceback ..."),
+        RankEvent(1, {"kind": "memory", "rss": 5}),
+        RankStarted(0, 4242),
+        RankExit(7, -9),
+    ):
+        encoded = wire.message_to_wire(m)
+        assert encoded is not None
+        msg = wire.decode(wire.encode(encoded[0], **encoded[1]))
+        assert msg is not None and wire.message_from_wire(msg) == m
+    assert wire.message_to_wire(NodeLost(0, "gone")) is None
+    assert wire.message_from_wire({"t": "hb"}) is None
+    for bad in (
+        {"t": "exit", "rank": 1},  # no code
+        {"t": "out", "rank": "x", "stream": "stdout", "line": ""},
+        {"t": "out", "rank": 1, "stream": "stdin", "line": ""},
+        {"t": "event", "rank": 1, "event": [1, 2]},
+    ):
+        with pytest.raises((KeyError, TypeError, ValueError)):
+            wire.message_from_wire(bad)

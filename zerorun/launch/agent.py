@@ -138,7 +138,6 @@ class Agent:
     def start(self, msg: dict[str, Any]) -> None:
         from zerorun.errors import ZerorunError
         from zerorun.launch.local import LocalRunner
-        from zerorun.launch.messages import RankEvent, RankExit, RankOutput, RankStarted
         from zerorun.launch.plan import default_omp_threads
 
         self.heartbeat_s = float(msg.get("heartbeat_s", 1.0))
@@ -151,14 +150,9 @@ class Agent:
             plan = replace(plan, omp_threads={**plan.omp_threads, node.node_rank: threads})
 
         def sink(m: Any) -> None:
-            if isinstance(m, RankOutput):
-                self.channel.send("out", rank=m.rank, stream=m.stream, line=m.text)
-            elif isinstance(m, RankEvent):
-                self.channel.send("event", rank=m.rank, event=dict(m.event))
-            elif isinstance(m, RankStarted):
-                self.channel.send("started", rank=m.rank, pid=m.pid)
-            elif isinstance(m, RankExit):
-                self.channel.send("exit", rank=m.rank, code=m.returncode)
+            encoded = wire.message_to_wire(m)
+            if encoded is not None:
+                self.channel.send(encoded[0], **encoded[1])
 
         if self._runner_factory is not None:
             runner = self._runner_factory(plan, node)

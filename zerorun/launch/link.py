@@ -28,7 +28,7 @@ from typing import Any
 
 from zerorun.errors import LaunchError
 from zerorun.launch import wire
-from zerorun.launch.messages import NodeLost, RankEvent, RankExit, RankOutput, RankStarted, Sink
+from zerorun.launch.messages import NodeLost, RankExit, Sink
 
 __all__ = ["Link", "LinkHub", "LinkRunner"]
 
@@ -249,23 +249,21 @@ class LinkRunner:
                 self._lose(f"the link to {self.link.display} closed" + (f" ({tail})" if tail else ""))
             self._done.set()
             return
-        kind = msg.get("t")
+        if msg.get("t") == "error":
+            self.link.keep_stderr(str(msg.get("message")))
+            return
         try:
-            if kind == "out":
-                sink(RankOutput(int(msg["rank"]), msg["stream"], str(msg["line"])))
-            elif kind == "event" and isinstance(msg.get("event"), dict):
-                sink(RankEvent(int(msg["rank"]), msg["event"]))
-            elif kind == "started":
-                sink(RankStarted(int(msg["rank"]), int(msg["pid"])))
-            elif kind == "exit":
-                self._exited.add(int(msg["rank"]))
-                sink(RankExit(int(msg["rank"]), int(msg["code"])))
-                if len(self._exited) == len(self.node.ranks):
-                    self._done.set()
-            elif kind == "error":
-                self.link.keep_stderr(str(msg.get("message")))
+            m = wire.message_from_wire(msg)
         except (KeyError, TypeError, ValueError):
             self.link.keep_stderr(f"malformed message from the agent: {msg!r}"[:500])
+            return
+        if m is None:
+            return
+        if isinstance(m, RankExit):
+            self._exited.add(m.rank)
+        sink(m)
+        if isinstance(m, RankExit) and len(self._exited) == len(self.node.ranks):
+            self._done.set()
 
     def _tick(self, now: float) -> None:
         if self._lost or self.link.closed.is_set():

@@ -21,7 +21,7 @@ from typing import Any
 
 from zerorun.errors import LaunchError
 from zerorun.launch import wire
-from zerorun.launch.messages import NodeLost, NodeRunner, RankEvent, RankExit, RankOutput, RankStarted, Sink
+from zerorun.launch.messages import NodeLost, NodeRunner, RankExit, Sink
 from zerorun.launch.plan import LaunchOptions, LaunchPlan, NodePlan
 from zerorun.launch.ssh import (
     NodeChannel,
@@ -218,18 +218,21 @@ class SshRunner:
             msg = self.channel.messages.get()
             if msg is None:
                 break
-            kind = msg.get("t")
-            if kind == "out":
-                self._sink(RankOutput(int(msg["rank"]), msg["stream"], str(msg["line"])))
-            elif kind == "event" and isinstance(msg.get("event"), dict):
-                self._sink(RankEvent(int(msg["rank"]), msg["event"]))
-            elif kind == "started":
-                self._sink(RankStarted(int(msg["rank"]), int(msg["pid"])))
-            elif kind == "exit":
-                self._exited.add(int(msg["rank"]))
-                self._sink(RankExit(int(msg["rank"]), int(msg["code"])))
-            elif kind == "error":
+            if msg.get("t") == "error":
                 self.channel._keep_stderr(str(msg.get("message")))  # noqa: SLF001
+                continue
+            try:
+                m = wire.message_from_wire(msg)
+            except (KeyError, TypeError, ValueError):
+                # Said, not raised: an exception here would end this thread, and the node's
+                # exits would never reach the supervisor.
+                self.channel._keep_stderr(f"malformed message from the agent: {msg!r}"[:500])  # noqa: SLF001
+                continue
+            if m is None:
+                continue
+            if isinstance(m, RankExit):
+                self._exited.add(m.rank)
+            self._sink(m)
         if len(self._exited) < len(self.node.ranks):
             tail = "; ".join(self.channel.stderr_tail[-3:])
             self._lose(f"the SSH connection to {self.channel.target.display} closed" + (f" ({tail})" if tail else ""))

@@ -38,7 +38,8 @@ from typing import Any
 from zerorun.errors import LaunchError
 from zerorun.launch import tcp_link, wire
 from zerorun.launch.link import Link, LinkHub
-from zerorun.launch.messages import NodeLost, RankEvent, RankExit, RankOutput, RankStarted
+from zerorun.launch.messages import NodeLost, RankExit
+from zerorun.launch.wire import message_from_wire, message_to_wire
 
 __all__ = ["NodeInfo", "Session", "meet", "PeerRunner", "heartbeat_timeout"]
 
@@ -342,31 +343,6 @@ class PeerRunner:
 
     def close(self) -> None:
         pass
-
-
-def message_from_wire(msg: Mapping[str, Any]) -> Any:
-    kind = msg.get("t")
-    if kind == "out":
-        return RankOutput(int(msg["rank"]), str(msg["stream"]), str(msg["line"]))  # type: ignore[arg-type]
-    if kind == "event" and isinstance(msg.get("event"), dict):
-        return RankEvent(int(msg["rank"]), msg["event"])
-    if kind == "started":
-        return RankStarted(int(msg["rank"]), int(msg["pid"]))
-    if kind == "exit":
-        return RankExit(int(msg["rank"]), int(msg["code"]))
-    return None
-
-
-def message_to_wire(m: Any) -> tuple[str, dict[str, Any]] | None:
-    if isinstance(m, RankOutput):
-        return "out", {"rank": m.rank, "stream": m.stream, "line": m.text}
-    if isinstance(m, RankEvent):
-        return "event", {"rank": m.rank, "event": dict(m.event)}
-    if isinstance(m, RankStarted):
-        return "started", {"rank": m.rank, "pid": m.pid}
-    if isinstance(m, RankExit):
-        return "exit", {"rank": m.rank, "code": m.returncode}
-    return None
 
 
 class _Relay:

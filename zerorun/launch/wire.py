@@ -30,10 +30,20 @@ agent -> launcher:
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["PROTOCOL_VERSION", "encode", "decode", "plan_to_dict", "plan_from_dict"]
+from zerorun.launch.messages import RankEvent, RankExit, RankOutput, RankStarted
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "encode",
+    "decode",
+    "message_from_wire",
+    "message_to_wire",
+    "plan_to_dict",
+    "plan_from_dict",
+]
 
 # Bumped when a message changes meaning; the preflight refuses a mismatch.
 PROTOCOL_VERSION = 1
@@ -53,6 +63,47 @@ def decode(line: bytes | str) -> dict[str, Any] | None:
     if not isinstance(msg, dict) or not isinstance(msg.get("t"), str):
         return None
     return msg
+
+
+# --- a rank's messages on the wire -----------------------------------------------------------
+# One codec for every hop a rank's `started`/`out`/`event`/`exit` takes: agent -> launcher (SSH,
+# dial-in, simulation) and node <-> node in per-node mode.
+
+RankMessage = RankOutput | RankEvent | RankStarted | RankExit
+
+
+def message_to_wire(m: object) -> tuple[str, dict[str, Any]] | None:
+    """(kind, fields) of a rank's runner message; None for anything else (e.g. `NodeLost`)."""
+    if isinstance(m, RankOutput):
+        return "out", {"rank": m.rank, "stream": m.stream, "line": m.text}
+    if isinstance(m, RankEvent):
+        return "event", {"rank": m.rank, "event": dict(m.event)}
+    if isinstance(m, RankStarted):
+        return "started", {"rank": m.rank, "pid": m.pid}
+    if isinstance(m, RankExit):
+        return "exit", {"rank": m.rank, "code": m.returncode}
+    return None
+
+
+def message_from_wire(msg: Mapping[str, Any]) -> RankMessage | None:
+    """The runner message of a decoded `started`/`out`/`event`/`exit`; None for other kinds.
+    A malformed one (a field missing or of the wrong type) raises KeyError, TypeError or
+    ValueError: the caller says so instead of losing its reader thread."""
+    kind = msg.get("t")
+    if kind == "out":
+        stream = str(msg["stream"])
+        if stream not in ("stdout", "stderr"):
+            raise ValueError(f"unknown stream {stream!r}")
+        return RankOutput(int(msg["rank"]), stream, str(msg["line"]))  # type: ignore[arg-type]
+    if kind == "event":
+        if not isinstance(msg.get("event"), dict):
+            raise TypeError("an event message without an event object")
+        return RankEvent(int(msg["rank"]), msg["event"])
+    if kind == "started":
+        return RankStarted(int(msg["rank"]), int(msg["pid"]))
+    if kind == "exit":
+        return RankExit(int(msg["rank"]), int(msg["code"]))
+    return None
 
 
 # --- the plan on the wire -------------------------------------------------------------------
