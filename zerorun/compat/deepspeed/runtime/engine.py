@@ -52,8 +52,9 @@ class DeepSpeedEngine(nn.Module):
         self._step_applied = False
         # DeepSpeed's norm of the last step: None before any step; a skipped (fp16 overflow)
         # step leaves it unchanged, 0.0 when no step has been applied yet (its ZeRO optimizers
-        # start from 0.0 and set the norm only after the overflow check).
-        self._grad_norm: float | None = None
+        # start from 0.0 and set the norm only after the overflow check). An applied step's norm
+        # stays the device tensor until get_global_grad_norm() reads it: no host sync per step.
+        self._grad_norm: torch.Tensor | float | None = None
         if not evaluation_only:
             # DeepSpeed's ZeRO optimizers carry `overflow`; accelerate reads it after each step
             # to decide whether the Trainer's scheduler steps.
@@ -155,7 +156,7 @@ class DeepSpeedEngine(nn.Module):
         inner._report_step()  # steps_per_print report, monitors, flops profiler (runtime/observe)
         overflow = inner.skipped_steps != skipped
         if not overflow:
-            self._grad_norm = inner.get_global_grad_norm()
+            self._grad_norm = inner._grad_norm
         elif self._grad_norm is None:
             self._grad_norm = 0.0
         inner.optimizer.overflow = overflow
@@ -186,6 +187,8 @@ class DeepSpeedEngine(nn.Module):
     def get_global_grad_norm(self) -> float | None:
         """The gradient norm of the last applied step, as DeepSpeed: never the non-finite norm
         of a skipped fp16 step (see ``_grad_norm``)."""
+        if torch.is_tensor(self._grad_norm):
+            self._grad_norm = float(self._grad_norm.item())  # host sync: only when asked
         return self._grad_norm
 
     # -- DeepSpeed's read-outs -----------------------------------------------------------------
