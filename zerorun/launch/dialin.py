@@ -30,6 +30,7 @@ from typing import Any
 
 from zerorun.errors import LaunchError
 from zerorun.launch import tcp_link, wire
+from zerorun.launch.knobs import env_number
 from zerorun.launch.link import Link, LinkHub, LinkRunner
 
 __all__ = ["local_addresses", "DialedStep", "DialedRunner", "prepare_dialed", "START_TIMEOUT_S"]
@@ -172,7 +173,10 @@ def prepare_dialed(
     step = DialedStep(argv, {**env, "ZERORUN_AGENT_DIAL": target, "ZERORUN_AGENT_TOKEN": token}, cwd)
     links: dict[str, Link] = {}
     try:
-        timeout = float(env.get("ZERORUN_AGENT_START_TIMEOUT", env.get("ZERORUN_SLURM_START_TIMEOUT", START_TIMEOUT_S)))
+        timeout = env_number(
+            ("ZERORUN_AGENT_START_TIMEOUT", "ZERORUN_SLURM_START_TIMEOUT"), START_TIMEOUT_S, minimum=1.0, environ=env
+        )
+        assert timeout is not None
         deadline = time.monotonic() + timeout
         while len(links) < len(names):
             if step.proc.poll() is not None:

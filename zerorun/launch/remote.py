@@ -21,6 +21,7 @@ from typing import Any
 
 from zerorun.errors import LaunchError
 from zerorun.launch import wire
+from zerorun.launch.knobs import env_number, heartbeat_timeout
 from zerorun.launch.messages import NodeLost, NodeRunner, RankExit, Sink
 from zerorun.launch.plan import LaunchOptions, LaunchPlan, NodePlan
 from zerorun.launch.ssh import (
@@ -273,20 +274,20 @@ class SshRunner:
 
 
 def ssh_options_from(options: LaunchOptions) -> SshOptions:
-    """The SSH part of `launch.plan.LaunchOptions` (+ ZERORUN_SSH_HEARTBEAT_TIMEOUT, and
-    ZERORUN_SSH_PARALLELISM / ZERORUN_SSH_CONNECT_TIMEOUT where the options leave them out)."""
-    timeout = float(os.environ.get("ZERORUN_SSH_HEARTBEAT_TIMEOUT", SshOptions.heartbeat_timeout_s))
-    parallelism = getattr(options, "ssh_parallelism", None) or int(
-        os.environ.get("ZERORUN_SSH_PARALLELISM", SshOptions.parallelism)
+    """The SSH part of `launch.plan.LaunchOptions` (+ the heartbeat timeout, and
+    ZERORUN_SSH_PARALLELISM / ZERORUN_SSH_CONNECT_TIMEOUT where the options leave them out;
+    `launch/knobs.py`)."""
+    parallelism = options.ssh_parallelism or env_number(
+        ("ZERORUN_SSH_PARALLELISM",), SshOptions.parallelism, minimum=1, integer=True
     )
-    connect = getattr(options, "ssh_connect_timeout", None) or os.environ.get("ZERORUN_SSH_CONNECT_TIMEOUT")
+    connect = options.ssh_connect_timeout or env_number(("ZERORUN_SSH_CONNECT_TIMEOUT",), None, minimum=0.1)
     return SshOptions(
         remote_python=options.remote_python,
         remote_cwd=options.remote_cwd,
         accept_new_hosts=bool(options.ssh_accept_new_hosts),
-        heartbeat_timeout_s=timeout,
-        parallelism=max(1, parallelism),
-        connect_timeout=float(connect) if connect else None,
+        heartbeat_timeout_s=heartbeat_timeout(),
+        parallelism=int(parallelism or SshOptions.parallelism),
+        connect_timeout=connect,
     )
 
 

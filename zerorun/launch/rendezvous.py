@@ -26,7 +26,6 @@ Peers are never signalled: each node stops its own ranks when its supervisor see
 
 from __future__ import annotations
 
-import os
 import queue
 import socket
 import threading
@@ -37,22 +36,14 @@ from typing import Any
 
 from zerorun.errors import LaunchError
 from zerorun.launch import tcp_link, wire
+from zerorun.launch.knobs import heartbeat_timeout
 from zerorun.launch.link import Link, LinkHub
 from zerorun.launch.messages import NodeLost, RankExit
 from zerorun.launch.wire import message_from_wire, message_to_wire
 
-__all__ = ["NodeInfo", "Session", "meet", "PeerRunner", "heartbeat_timeout"]
+__all__ = ["NodeInfo", "Session", "meet", "PeerRunner"]
 
 HEARTBEAT_S = 1.0
-
-
-def heartbeat_timeout(environ: Mapping[str, str] | None = None) -> float:
-    env = os.environ if environ is None else environ
-    raw = env.get("ZERORUN_HEARTBEAT_TIMEOUT") or env.get("ZERORUN_SSH_HEARTBEAT_TIMEOUT") or "10"
-    try:
-        return max(1.0, float(raw))
-    except ValueError:
-        raise LaunchError(f"ZERORUN_HEARTBEAT_TIMEOUT={raw!r} is not a number of seconds.") from None
 
 
 @dataclass(frozen=True)

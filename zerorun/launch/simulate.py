@@ -32,6 +32,7 @@ from zerorun.errors import LaunchError
 from zerorun.launch import fdlimit, wire
 from zerorun.launch.fanout import DEFAULT_PARALLELISM, NodeFailure, failure_table, fan_out
 from zerorun.launch.hosts import Host
+from zerorun.launch.knobs import heartbeat_timeout
 from zerorun.launch.link import Link, LinkHub, LinkRunner
 from zerorun.launch.plan import DeviceInfo, LaunchOptions, LaunchPlan, Target, build_plan
 from zerorun.launch.synthetic import Scenario
@@ -252,7 +253,7 @@ def prepare_job(plan: LaunchPlan, options: Any) -> tuple[LaunchPlan, list[LinkRu
         scenario = Scenario(line_rate=1.0, event_interval_s=5.0, duration_s=10.0)
     cluster = SimCluster.start(len(plan.nodes), scenario)
     try:
-        timeout = float(os.environ.get("ZERORUN_SSH_HEARTBEAT_TIMEOUT", 10.0))
+        timeout = heartbeat_timeout()
         plan, runners = prepare(plan, cluster, parallelism=getattr(options, "ssh_parallelism", None) or DEFAULT_PARALLELISM,
                                 heartbeat_timeout_s=timeout)
     except BaseException:
