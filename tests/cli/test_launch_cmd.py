@@ -217,3 +217,21 @@ def test_config_launcher_section_merges_under_the_command_line(
     code, out, err = _launch(["--dry-run", "--num_gpus", "1", "--master_port", "29445", "train.py", "--config", "job.yaml"], capsys)
     assert code == 0, err
     assert len(_table(out)) == 1 and "MASTER_PORT=29445" in out
+
+
+def test_launcher_slurm_outside_an_allocation_reruns_the_given_command_secrets_scrubbed(
+    job: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The salloc line re-runs the arguments this command got (not the process's sys.argv,
+    which is pytest's here, or another program's when zerorun is called as a library), and the
+    printed line hides a secret of the environment, as --dry-run does."""
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    monkeypatch.delenv("SLURM_JOBID", raising=False)
+    monkeypatch.setenv("HF_TOKEN", "hf_s3cr3tvalue")
+    args = ["--launcher", "slurm", "--num_nodes", "2", "--dry-run", "train.py", "--hf_token", "hf_s3cr3tvalue"]
+    code, out, err = _launch(args, capsys)
+    assert code == 0, err
+    line = next(x for x in err.splitlines() if "obtaining one" in x)
+    assert "salloc --nodes=2 " in line
+    assert line.endswith("-m zerorun --launcher slurm --num_nodes 2 --dry-run train.py --hf_token <redacted>"), line
+    assert "hf_s3cr3tvalue" not in out + err

@@ -291,8 +291,15 @@ class _App:
     """What `zerorun.cli.main` calls: normalise argv, then run the typer command."""
 
     def __call__(self, args: Sequence[str] | None = None, prog_name: str = "zerorun") -> Any:
+        global _invoked_argv
         argv = list(sys.argv[1:] if args is None else args)
+        _invoked_argv = argv
         return typer_app(args=normalize_argv(argv), prog_name=prog_name)
+
+
+# The launch command line as given (what `--launcher slurm` re-runs inside salloc): the
+# arguments this command was called with, which are sys.argv's only when run as `zerorun ...`.
+_invoked_argv: list[str] | None = None
 
 
 app = _App()
@@ -336,15 +343,20 @@ def _in_new_allocation(options: LaunchOptions) -> int:
     terminal's signals from here on, as when the user types it."""
     import shlex
 
+    from zerorun.launch.environment import scrub
     from zerorun.launch.slurm import salloc_command
 
+    given = _invoked_argv if _invoked_argv is not None else sys.argv[1:]
     argv = salloc_command(
         num_nodes=options.num_nodes,
         gpus_per_node=options.gpus_per_node,
         slurm_args=options.slurm_args,
-        inner=[sys.executable, "-m", "zerorun", *sys.argv[1:]],
+        inner=[sys.executable, "-m", "zerorun", *given],
     )
-    sys.stderr.write(f"zerorun: launcher slurm: outside an allocation, obtaining one: {shlex.join(argv)}\n")
+    # The script's arguments may carry a secret that is also in the environment (as in --dry-run).
+    sys.stderr.write(
+        f"zerorun: launcher slurm: outside an allocation, obtaining one: {scrub(shlex.join(argv), os.environ)}\n"
+    )
     if options.dry_run:
         return 0
     sys.stderr.flush()
