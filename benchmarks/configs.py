@@ -37,6 +37,10 @@ class BenchConfig:
     # torch.compile on each transformer block (`block.compile()` before the trainer is built:
     # the pattern PyTorch recommends with FSDP2); compile time falls in the untimed warm-up.
     compile: bool = False
+    # zerorun at world 1 with its real collective path (ZERORUN_DEBUG_COLLECTIVES=1: staging
+    # casts, side-stream collectives and event waits, as with several ranks). At world 1 zerorun
+    # skips every collective by default while FSDP2 runs its own: this is the fair world-1 row.
+    real_collectives: bool = False
 
     @property
     def offloads(self) -> bool:
@@ -102,6 +106,15 @@ CATALOGUE: dict[str, BenchConfig] = {
         *[
             _zr(f"zero{s}_compile", s, f"zerorun stage {s}, bf16, compiled blocks", compile=True)
             for s in range(4)
+        ],
+        *[
+            _zr(
+                f"zero{s}_collectives",
+                s,
+                f"zerorun stage {s}, bf16, real collectives at world 1",
+                real_collectives=True,
+            )
+            for s in (2, 3)
         ],
         # Parameters and optimizer both on the host: the article's "ZeRO-3 + CPU offload" and
         # what FSDP2's CPUOffloadPolicy does (it offloads parameters, gradients and the step).

@@ -290,7 +290,9 @@ def _memory(args: WorkerArgs, bench: BenchConfig, ctx: RankContext, record: dict
     buffers = reported if reported is not None else config_buffers["total"]
     # On CPU the "device" is the host: offloaded terms stay in what is measured.
     device_formula = formula["gpu"]["total"] + (0.0 if on_cuda else formula["host"]["total"])
-    device_between_steps = formula["gpu"]["between_steps"] + (0.0 if on_cuda else formula["host"]["between_steps"])
+    device_between_steps = formula["gpu"]["between_steps"] + (
+        0.0 if on_cuda else formula["host"]["between_steps"]
+    )
     last = n_steps - 1
     checked = f"after_backward_{last}"
     checks = {}
@@ -341,6 +343,8 @@ def _write_once(path: Path, record: dict[str, Any], overwrite: bool) -> None:
 def run_worker(args: WorkerArgs) -> int:
     """Run one configuration on this rank; returns the process exit code."""
     bench = CATALOGUE[args.config]
+    if bench.real_collectives:  # read when zerorun builds its communicator
+        os.environ["ZERORUN_DEBUG_COLLECTIVES"] = "1"
     started = time.time()
     record: dict[str, Any] = {
         "schema": SCHEMA,  # complete on its own: under a launcher this is the final record
