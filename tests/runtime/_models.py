@@ -1,24 +1,19 @@
 """Tiny models with the awkward features (tied weights, a frozen layer, an unused branch, a
-branch used only on some ranks, sizes not divisible by 4) and the single-process reference.
-
-The reference is plain PyTorch on the same global batch. For bf16/fp16 it follows the same
-recipe as the runtime: a 16-bit compute copy, fp32 master weights, each micro-batch's 16-bit
-gradients accumulated in fp32, averaged over ranks, fp16 loss scaling with skipped steps.
-One deliberate difference from a bare PyTorch loop: a trainable parameter that no micro-batch
-used (TinyNet.never) gets a zero gradient and is still stepped (AdamW's weight decay), which is
-DeepSpeed's (and zerorun's) semantics; bare PyTorch would skip a parameter whose grad is None.
+branch used only on some ranks, sizes not divisible by 4), their batches, and the stage 0-2
+workers' call of the one single-process reference trainer (_reference.py; TinyNet.never is the
+parameter no micro-batch uses, stepped with a zero gradient as DeepSpeed does).
 """
 
 from __future__ import annotations
 
-import copy
-import math
-from dataclasses import dataclass, field
-
+import _reference as _ref  # tests/runtime is the workers' script folder (not a package import)
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _reference import RefResult
 from torch import nn
+
+__all__ = ["TinyNet", "make_model", "batch", "reference_train", "RefResult", "full_masters"]
 
 VOCAB, DIM, HID, SEQ = 13, 7, 11, 5
 
@@ -63,15 +58,6 @@ def batch(
     return ids, torch.roll(ids, 1, dims=1)
 
 
-@dataclass
-class RefResult:
-    losses: list[list[list[float]]] = field(default_factory=list)  # [step][micro][rank]
-    norms: list[float] = field(default_factory=list)
-    skipped: list[bool] = field(default_factory=list)
-    master: dict[str, torch.Tensor] = field(default_factory=dict)
-    compute: dict[str, torch.Tensor] = field(default_factory=dict)
-
-
 def reference_train(
     model: nn.Module,
     *,
@@ -88,59 +74,20 @@ def reference_train(
     inject: set[tuple[int, int]] | None = None,  # (step, rank) whose loss is multiplied by inf
     device: torch.device | str = "cpu",
 ) -> RefResult:
-    master = model.to(device)
-    compute = copy.deepcopy(master).to(dtype) if dtype != torch.float32 else master
-    m_params = [p for p in master.parameters() if p.requires_grad]
-    c_params = [p for p in compute.parameters() if p.requires_grad]
-    # The runtime's kernel (runtime/optimizer.py: fused AdamW on CUDA, torch's default on CPU):
-    # fused and foreach AdamW differ in the last fp32 bit, which can flip a 16-bit weight.
-    fused = {"fused": True} if torch.device(device).type == "cuda" else {}
-    opt = torch.optim.AdamW(m_params, lr=lr, weight_decay=weight_decay, **fused)
-    out = RefResult()
-    for step in range(steps):
-        scale = scales[step] if scales else 1.0
-        total = [torch.zeros_like(p, dtype=torch.float32) for p in m_params]
-        step_losses: list[list[float]] = [[0.0] * world for _ in range(accum)]
-        for rank in range(world):
-            acc = [torch.zeros_like(p, dtype=torch.float32) for p in m_params]
-            for micro in range(accum):
-                ids, tgt = batch(case_seed, step, micro, rank, micro_batch)
-                loss = compute(ids.to(device), tgt.to(device))
-                step_losses[micro][rank] = float(loss)
-                if inject and (step, rank) in inject:
-                    loss = loss * math.inf
-                (loss * (scale / accum)).backward()
-                for a, p in zip(acc, c_params, strict=True):
-                    if p.grad is not None:
-                        a.add_(p.grad)
-                        p.grad = None
-            for t, a in zip(total, acc, strict=True):
-                t.add_(a / world)
-        out.losses.append(step_losses)
-        norm = (
-            torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(t) for t in total])) / scale
-        ).cpu()
-        out.norms.append(float(norm))
-        if not math.isfinite(float(norm)):
-            out.skipped.append(True)
-            continue
-        out.skipped.append(False)
-        coef = min(1.0, clip / (float(norm) + 1e-6)) if clip > 0 else 1.0
-        coef_t = torch.clamp(torch.tensor(clip) / (norm + 1e-6), max=1.0) if clip > 0 else None
-        for p, t in zip(m_params, total, strict=True):
-            p.grad = t / scale if scale != 1.0 else t
-            if coef_t is not None:
-                p.grad.mul_(coef_t.to(device))
-        del coef
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if compute is not master:
-            with torch.no_grad():
-                for c, m in zip(c_params, m_params, strict=True):
-                    c.copy_(m)
-    out.master = {n: p.detach().cpu().clone() for n, p in master.named_parameters()}
-    out.compute = {n: p.detach().cpu().clone() for n, p in compute.named_parameters()}
-    return out
+    """The shared reference trainer (_reference.py) on TinyNet's batches with AdamW."""
+    return _ref.reference_train(
+        model,
+        dtype=dtype,
+        world=world,
+        steps=steps,
+        accum=accum,
+        batch=lambda step, micro, rank: batch(case_seed, step, micro, rank, micro_batch),
+        clip=clip,
+        make_optimizer=_ref.adamw(lr, weight_decay, device),
+        device=device,
+        scales=scales,
+        inject=inject,
+    )
 
 
 def full_masters(engine) -> dict[str, torch.Tensor]:  # noqa: ANN001 - a zerorun engine

@@ -1,4 +1,5 @@
-"""The stage-3 test model and its single-process reference.
+"""The stage-3 test model and the stage-3 workers' call of the one single-process reference
+trainer (_reference.py).
 
 S3Net has what stage 3 finds hard: repeated blocks (>= 3 partitioned groups with the test's
 persistence threshold), the embedding tied to the head (root group), a weight tied between two
@@ -10,10 +11,9 @@ frozen layer, a never-used layer, and sizes not divisible by 4.
 
 from __future__ import annotations
 
-import copy
 import math
-from dataclasses import dataclass, field
 
+import _reference as _ref  # tests/runtime is the workers' script folder (not a package import)
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -88,13 +88,7 @@ def batch(
     return ids, torch.roll(ids, 1, dims=1)
 
 
-@dataclass
-class Ref:
-    losses: list[list[list[float]]] = field(default_factory=list)  # [step][micro][rank]
-    eval_losses: list[float] = field(default_factory=list)
-    norms: list[float] = field(default_factory=list)
-    master: dict[str, torch.Tensor] = field(default_factory=dict)
-    compute: dict[str, torch.Tensor] = field(default_factory=dict)
+Ref = _ref.RefResult
 
 
 def reference(
@@ -111,52 +105,24 @@ def reference(
     weight_decay: float,
     device: torch.device | str = "cpu",
 ) -> Ref:
-    """Plain PyTorch on the global batch, with the runtime's mixed-precision recipe (16-bit
-    compute copy, fp32 masters, fp32 accumulation of each micro-batch's 16-bit gradients). Runs
-    on the ranks' device (the same matmul kernels: CPU and CUDA bf16 results differ by more
-    than the tolerances); results come back on the CPU."""
-    master = model.to(device)
-    compute = copy.deepcopy(master).to(dtype) if dtype != torch.float32 else master
-    m_params = [p for p in master.parameters() if p.requires_grad]
-    c_params = [p for p in compute.parameters() if p.requires_grad]
-    # The runtime's kernel (runtime/optimizer.py: fused AdamW on CUDA, torch's default on CPU):
-    # fused and foreach AdamW differ in the last fp32 bit, which can flip a 16-bit weight.
-    fused = {"fused": True} if torch.device(device).type == "cuda" else {}
-    opt = torch.optim.AdamW(m_params, lr=lr, weight_decay=weight_decay, **fused)
-    out = Ref()
-    for step in range(steps):
+    """The shared reference trainer (_reference.py) on S3Net's batches, with the step's
+    control-flow flip and an evaluation batch after every step."""
+
+    def flip(compute: nn.Module, step: int) -> None:
         compute.flip = flip_for(step)
-        total = [torch.zeros_like(p, dtype=torch.float32) for p in m_params]
-        step_losses = [[0.0] * world for _ in range(accum)]
-        for rank in range(world):
-            acc = [torch.zeros_like(p, dtype=torch.float32) for p in m_params]
-            for micro in range(accum):
-                ids, tgt = batch(seed, step, micro, rank, micro_batch)
-                loss = compute(ids.to(device), tgt.to(device))
-                step_losses[micro][rank] = float(loss)
-                (loss / accum).backward()
-                for a, p in zip(acc, c_params, strict=True):
-                    if p.grad is not None:
-                        a.add_(p.grad)
-                        p.grad = None
-            for t, a in zip(total, acc, strict=True):
-                t.add_(a / world)
-        out.losses.append(step_losses)
-        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(t) for t in total]))
-        out.norms.append(float(norm))
-        coef = torch.clamp(torch.tensor(clip) / (norm + 1e-6), max=1.0) if clip > 0 else None
-        for p, t in zip(m_params, total, strict=True):
-            p.grad = t * coef if coef is not None else t
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if compute is not master:
-            with torch.no_grad():
-                for c, m in zip(c_params, m_params, strict=True):
-                    c.copy_(m)
-        with torch.no_grad():
-            ids, tgt = batch(seed, step, 99, 0, micro_batch)
-            out.eval_losses.append(float(compute(ids.to(device), tgt.to(device))))
-    out.master = {n: p.detach().cpu().clone() for n, p in master.named_parameters()}
-    out.compute = {n: p.detach().cpu().clone() for n, p in compute.named_parameters()}
+
+    out = _ref.reference_train(
+        model,
+        dtype=dtype,
+        world=world,
+        steps=steps,
+        accum=accum,
+        batch=lambda step, micro, rank: batch(seed, step, micro, rank, micro_batch),
+        clip=clip,
+        make_optimizer=_ref.adamw(lr, weight_decay, device),
+        device=device,
+        before_step=flip,
+        eval_batch=lambda step: batch(seed, step, 99, 0, micro_batch),
+    )
     assert all(math.isfinite(n) for n in out.norms)
     return out
