@@ -57,6 +57,12 @@ def local_addresses() -> list[str]:
     return sorted(found, key=lambda a: a.startswith("127."))
 
 
+def _token_matches(given: object, token: str) -> bool:
+    """Whether a dialing agent knows the job's secret; in constant time (anyone on the network
+    can connect to the port and time the comparison)."""
+    return isinstance(given, str) and secrets.compare_digest(given.encode(), token.encode())
+
+
 class DialedStep:
     """The scheduler's command (srun, mpirun): its output tail, and SIGTERM once every runner
     closed."""
@@ -198,7 +204,7 @@ def prepare_dialed(
             except queue.Empty:
                 hello = None
             name = node_of(str(hello.get("node"))) if hello and hello.get("t") == "dial" else None
-            if hello is None or hello.get("token") != token or name not in names or name in links:
+            if hello is None or not _token_matches(hello.get("token"), token) or name not in names or name in links:
                 link.close()  # not one of ours (or a duplicate): ignore
                 continue
             assert name is not None
