@@ -27,7 +27,8 @@ for step in range(3):
     x, y = torch.randn(2, 6, generator=g), torch.randn(2, 2, generator=g)
     engine.backward(nn.functional.mse_loss(engine(x), y))
     engine.step()
-flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+with zerorun.zero.GatheredParameters(list(model.parameters())):  # waits for step()'s all-gather
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 everyone = [torch.empty_like(flat) for _ in range(2)]
 dist.all_gather(everyone, flat)
 assert torch.equal(everyone[0], everyone[1]), "replicas differ"

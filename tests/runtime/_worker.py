@@ -59,6 +59,14 @@ def model_state_terms(engine, case: _cases.Case, world: int) -> tuple[dict, dict
     return measured, dict(est.terms["gpu"])
 
 
+def read_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The parameters (float, CPU) read through zerorun: GatheredParameters waits for the
+    all-gather that stages 1-2 leave in flight after step(); a raw read between step() and the
+    next forward may see the previous values (docs/runtime.md)."""
+    with zerorun.zero.GatheredParameters(list(model.parameters())):
+        return {n: p.detach().float().cpu().clone() for n, p in model.named_parameters()}
+
+
 def run_case(case: _cases.Case, rank: int, world: int) -> dict | None:
     seed = 1234 + zlib.crc32(case.name.encode()) % 1000  # hash() differs between processes
     model = _models.make_model(seed)
@@ -70,7 +78,7 @@ def run_case(case: _cases.Case, rank: int, world: int) -> dict | None:
     losses, norms, scales_before, scales_after, checksums = [], [], [], [], []
     for step in range(case.steps):
         scales_before.append(engine.get_loss_scale())
-        before = torch.cat([p.detach().float().reshape(-1) for p in model.parameters()]).sum().item()
+        before = torch.cat([v.reshape(-1) for v in read_params(model).values()]).sum().item()
         for micro in range(case.accum):
             ids, tgt = _models.batch(seed, step, micro, rank, _cases.MICRO_BATCH)
             loss = engine(ids.to(engine.device), tgt.to(engine.device))
@@ -84,7 +92,7 @@ def run_case(case: _cases.Case, rank: int, world: int) -> dict | None:
             engine.step()
         norms.append(engine.get_global_grad_norm())
         scales_after.append(engine.get_loss_scale())
-        after = torch.cat([p.detach().float().reshape(-1) for p in model.parameters()]).sum().item()
+        after = torch.cat([v.reshape(-1) for v in read_params(model).values()]).sum().item()
         checksums.append((before, after))
     memory = engine.memory_summary()
     masters = _models.full_masters(engine)
@@ -113,7 +121,7 @@ def run_case(case: _cases.Case, rank: int, world: int) -> dict | None:
     }
     gathered = [None] * world
     dist.all_gather_object(gathered, result)
-    compute_params = {n: p.detach().float().cpu().clone() for n, p in model.named_parameters()}
+    compute_params = read_params(model)
     device = engine.device
     engine.destroy()
     if rank != 0:

@@ -17,7 +17,7 @@ branch on the stage.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -50,6 +50,13 @@ def _cast_inputs(value: Any, dtype: torch.dtype) -> Any:
         rebuild: type = type(value)  # dict, OrderedDict, transformers' BatchEncoding, ...
         return rebuild({k: _cast_inputs(v, dtype) for k, v in value.items()})
     return value
+
+
+def _wait_params_hook(stage: Stage) -> Callable[..., None]:
+    def hook(*_: object) -> None:  # forward pre-hook (module, args); state_dict pre-hook (module, prefix, keep_vars)
+        stage.wait_params()
+
+    return hook
 
 
 class Engine:
@@ -103,6 +110,14 @@ class Engine:
             micro_batch=settings.batch.micro_batch,
         )
         configure_activation_checkpointing(settings.activation)  # unless the script called configure()
+        # Stages 1-2 leave the step's all-gather of the updated parameters in flight, to overlap
+        # the next forward (stage.wait_params). The module's next forward -- train or eval,
+        # through the engine or called directly -- and its state_dict() wait for it first.
+        wait = torch._disable_dynamo(_wait_params_hook(stage), recursive=True)  # eager when compiled
+        self._param_hooks = [
+            module.register_forward_pre_hook(wait),
+            module.register_state_dict_pre_hook(wait),
+        ]
         self._expect_backward()
 
     # -- forward ------------------------------------------------------------------------------
@@ -356,6 +371,7 @@ class Engine:
         if self.checkpointing is not None:
             self.checkpointing.wait()  # an asynchronous save still writing
         self.stage.state.synchronize()  # a delayed offload step still running
+        self.stage.wait_params()  # the last step's parameter all-gather
         engine_view.save(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
         return True  # DeepSpeed's return value
 
@@ -373,6 +389,7 @@ class Engine:
         if self.checkpointing is not None:
             self.checkpointing.wait()
         self.stage.state.synchronize()
+        self.stage.wait_params()  # nothing may still be writing the parameters the load replaces
         return engine_view.load(
             self,
             load_dir,
@@ -389,13 +406,18 @@ class Engine:
         from zerorun.runtime.checkpoint import engine_view
 
         self.stage.state.synchronize()
+        self.stage.wait_params()
         return engine_view.save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
 
     def destroy(self) -> None:
         """Remove the hooks this engine installed (tests build many engines in one process)."""
-        self.reporter.close()
         if self.checkpointing is not None:
             self.checkpointing.close()  # an asynchronous save in flight is committed first
+        self.reporter.close()
+        self.stage.wait_params()
+        for h in self._param_hooks:
+            h.remove()
+        self._param_hooks = []
         self.stage.remove_hooks()
         self.stage.state.placement.close()
         events.set_memory_provider(None)

@@ -68,7 +68,14 @@ class Stage(Protocol):
 
     def step(self, grad_shards: Sequence[torch.Tensor]) -> None:
         """Optimizer step on this rank's shards, then the updated values written back to the
-        parameters the forward uses (collective)."""
+        parameters the forward uses (collective; may still be in flight: ``wait_params``)."""
+        ...
+
+    def wait_params(self) -> None:
+        """Complete the write-back of the last ``step`` (stages 1-2 leave the all-gather of the
+        updated parameters in flight so that it overlaps the next forward). The engine calls it
+        from a forward pre-hook on the root module and before anything that reads parameters
+        (state_dict, checkpoints, 16-bit export, GatheredParameters, destroy). Not collective."""
         ...
 
     def zero_grad(self) -> None: ...

@@ -9,16 +9,23 @@ Composition (no stage flags inside the pieces):
       1   | world size             | BoundaryReduceScatter  | copy to own shard, all-gather
       2   | world size             | PartitionedGrads       | copy to own shard, all-gather
 
+The all-gather that follows the optimizer step (stages 1-2) is left in flight when ``step``
+returns and completed by ``wait_params`` -- which the engine calls from a forward pre-hook on the
+root module, so the next forward (train or eval) overlaps the gather's tail as FSDP2 does, and
+before anything that reads the parameters through zerorun (state_dict, checkpoints, 16-bit
+export, GatheredParameters, destroy). The pending gathers live here only (``FlatStage._gathers``).
+
 Stage 3 (runtime/stage3/) implements the same protocol over its own parameter store.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 
 import torch
 
-from zerorun.runtime.collectives import Communicator
+from zerorun.runtime.collectives import Communicator, Pending
 from zerorun.runtime.flat_params import FlatParamBuffers, TrainableParam
 from zerorun.runtime.grad_reduce import (
     AllReduceGrads,
@@ -31,7 +38,7 @@ from zerorun.runtime.partition import FlatLayout
 from zerorun.runtime.precision import MixedPrecisionPolicy
 from zerorun.runtime.sharded_state import DevicePlacement, ShardedOptimizerState, ShardPlacement
 
-__all__ = ["FlatStage", "build_flat_stage", "MAX_FLAT_NUMEL"]
+__all__ = ["FlatStage", "build_flat_stage", "wait_all_params", "MAX_FLAT_NUMEL"]
 
 _REDUCERS: dict[int, type[GradReducer]] = {0: AllReduceGrads, 1: BoundaryReduceScatter, 2: PartitionedGrads}
 
@@ -46,6 +53,16 @@ _REDUCERS: dict[int, type[GradReducer]] = {0: AllReduceGrads, 1: BoundaryReduceS
 MAX_FLAT_NUMEL = 50_000_000
 # The pipelined step (FlatStage.step) splits the buffers into about this many parts.
 _STEP_PARTS = 8
+
+# Every FlatStage alive in this process, for readers that hold parameters but no engine
+# (zero.GatheredParameters on parameters of stages 0-2): ``wait_all_params``.
+_LIVE: weakref.WeakSet[FlatStage] = weakref.WeakSet()
+
+
+def wait_all_params() -> None:
+    """Complete the parameter all-gather every live stage 0-2 left in flight after its step."""
+    for stage in list(_LIVE):
+        stage.wait_params()
 
 
 class FlatStage:
@@ -68,6 +85,11 @@ class FlatStage:
         self._shard = state.shard_index
         self._own = [flat.shard(i, self._shard) for i in range(len(flat.layouts))]  # views, made once
         self._parts: list[list[int]] | None = None  # decided at the first step (needs the optimizer)
+        # The all-gather of the updated parameters, issued at the end of step() and completed by
+        # wait_params() (the next forward's pre-hook, or a reader of the parameters).
+        self._gathers: list[Pending] = []
+        self.deferred_gathers = 0  # steps that returned with the gather in flight (tests)
+        _LIVE.add(self)
 
     @property
     def layouts(self) -> list[FlatLayout]:
@@ -89,42 +111,60 @@ class FlatStage:
         return self.reducer.grad_shards()
 
     def step(self, grad_shards: Sequence[torch.Tensor]) -> None:
+        """Optimizer step, write-back and the all-gather of the updated parameters -- issued,
+        not waited for: ``wait_params`` completes it (the next forward does)."""
+        self.wait_params()  # a step with no forward since the last one: shards still being read
         own = self._own
         if self._parts is None:
             self._parts = self._step_parts()
         if len(self._parts) > 1:
             # Pipelined: optimizer on one part of the buffers, its write-back, its all-gather
             # issued on the communication stream -- which then runs while the optimizer works on
-            # the next part. Only the last part's all-gather is left exposed, instead of all of
-            # them after the whole optimizer step.
-            pending = []
+            # the next part. The gathers still in flight at the end (at least the last part's)
+            # overlap the next forward instead of ending the step.
             with torch.no_grad():
                 for part in self._parts:
                     self.state.step(grad_shards, part)
                     self.state.write_back(own, part)
-                    pending += [self.comm.all_gather(self.flat.buffers[i], own[i]) for i in part]
-                for p in pending:
-                    p.wait()
-            return
-        self.state.step(grad_shards)
-        self._write_back()
+                    self._gathers += [self.comm.all_gather(self.flat.buffers[i], own[i]) for i in part]
+        else:
+            self.state.step(grad_shards)
+            self._write_back()
+        if self._gathers:
+            self.deferred_gathers += 1
+
+    def wait_params(self) -> None:
+        """Complete the parameter all-gather left in flight by ``step``: afterwards the flat
+        buffers (and so every parameter) hold the updated values, in the caller's stream order
+        on CUDA. Cheap when nothing is pending; every rank may call it independently (the
+        collectives were issued already)."""
+        gathers, self._gathers = self._gathers, []
+        for p in gathers:
+            p.wait()
+
+    @property
+    def params_pending(self) -> bool:
+        """True while the parameter all-gather of the last step is still owed a wait."""
+        return bool(self._gathers)
 
     def _write_back(self) -> None:
-        """Masters -> this rank's parameter shards -> all-gather of the flat buffers (stages 1-2)."""
+        """Masters -> this rank's parameter shards -> all-gather of the flat buffers (stages
+        1-2), left in ``self._gathers``."""
         own = self._own
         with torch.no_grad():
             self.state.write_back(own)
             if self.stage > 0:
-                pending = [
+                self._gathers += [
                     self.comm.all_gather(buf, shard)
                     for buf, shard in zip(self.flat.buffers, own, strict=True)
                 ]
-                for p in pending:
-                    p.wait()
 
     def params_from_masters(self) -> None:
-        """After a checkpoint load: masters -> the flat parameter buffers. Collective."""
+        """After a checkpoint load: masters -> the flat parameter buffers. Collective; complete
+        when it returns."""
+        self.wait_params()
         self._write_back()
+        self.wait_params()
 
     def _step_parts(self) -> list[list[int]]:
         """Parts of about equal size for the pipelined step, or one part (the plain step) when
@@ -169,6 +209,7 @@ class FlatStage:
         return self.reducer.peak_buffer_bytes
 
     def remove_hooks(self) -> None:
+        self.wait_params()
         self.reducer.remove_hooks()
 
 

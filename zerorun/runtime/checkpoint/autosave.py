@@ -181,6 +181,7 @@ class EngineCheckpointing:
         save_dir = Path(self.options.save_dir or ".")
         tag = f"global_step{e.global_steps}"
         e.stage.state.synchronize()  # a delayed offload step still running
+        e.stage.wait_params()  # the step's parameter all-gather (stages 1-2 leave it in flight)
         view = EngineCheckpointView(e)
         keep = self.options.keep_last
         rank = e.comm.rank

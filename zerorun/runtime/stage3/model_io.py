@@ -31,6 +31,7 @@ from torch import nn
 
 from zerorun.errors import RuntimeConfigError
 from zerorun.runtime.stage3.param_group import ParamGroup
+from zerorun.runtime.stages import wait_all_params
 
 __all__ = ["GatheredParameters", "install_state_dict_hooks", "load_pretrained", "is_partitioned", "set_full_state_dict"]
 
@@ -132,6 +133,8 @@ class GatheredParameters:
     def __enter__(self) -> GatheredParameters:
         if not self.enabled:
             return self
+        if self.plain:  # parameters of stages 0-2: their last step's all-gather may be in flight
+            wait_all_params()
         # Groups already gathered (inside their forward, or kept) stay as they were on exit.
         self._was_gathered = {id(g) for g in self.groups if g.state != 0}
         for g in self.groups:

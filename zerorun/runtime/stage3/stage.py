@@ -100,6 +100,10 @@ class Stage3:
         self.release_all()
         self._write_back()
 
+    def wait_params(self) -> None:
+        """Nothing to wait for: ``step`` completes its write-back (and the replicas' refresh)."""
+        return None
+
     def zero_grad(self) -> None:
         for g in self.groups:
             g.zero_grad()
