@@ -1,14 +1,18 @@
-"""Pieces of runtime/observe that need no ranks: timers, token counting, the CSV layout."""
+"""Pieces of runtime/observe that need no ranks: timers, token counting, the CSV layout, a
+monitor whose package is missing on a rank."""
 
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
+from zerorun.errors import RuntimeConfigError
 from zerorun.runtime.observe import MonitorOptions, PhaseTimers, count_tokens
-from zerorun.runtime.observe.monitors import CsvMonitor
+from zerorun.runtime.observe.monitors import CsvMonitor, MonitorSet
 
 
 def test_cpu_timers_sum_each_phase_per_step() -> None:
@@ -45,3 +49,12 @@ def test_csv_monitor_layout(tmp_path: Path) -> None:
     # a second monitor (a restarted job) appends without a second header
     CsvMonitor(opts).write_events([("Train/Samples/train_loss", 2.0, 24)])
     assert (tmp_path / "run" / "Train_Samples_train_loss.csv").read_text().splitlines()[-2:] == ["16,2.25", "24,2.0"]
+
+
+def test_monitor_package_missing_on_a_rank_names_the_pip_package(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The config check ran where the config was loaded; a rank on another node may still lack it.
+    monkeypatch.setitem(sys.modules, "comet_ml", None)  # `import comet_ml` raises ImportError
+    opts = MonitorOptions(backend="comet", output_path="", job_name="j", params={})
+    with pytest.raises(RuntimeConfigError, match=r"pip install comet-ml .*comet.enabled: false"):
+        MonitorSet([opts], rank=0)
+    assert MonitorSet([opts], rank=1).enabled is False  # only rank 0 writes

@@ -23,8 +23,9 @@ import os
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+from zerorun.config.observe_sections import MONITOR_EXTRAS
 from zerorun.errors import RuntimeConfigError
-from zerorun.runtime.observe.options import MONITOR_PACKAGES, MonitorOptions
+from zerorun.runtime.observe.options import MonitorOptions
 
 __all__ = ["Event", "Monitor", "MonitorSet", "CsvMonitor", "TensorboardMonitor", "WandbMonitor", "CometMonitor"]
 
@@ -146,10 +147,11 @@ class MonitorSet:
             try:
                 self.monitors.append(_BACKENDS[opts.backend](opts))
             except ImportError as exc:
-                package = MONITOR_PACKAGES.get(opts.backend)
+                # The config check ran where the config was loaded; this rank's node may lack it.
+                package = MONITOR_EXTRAS.get(opts.backend, (opts.backend, opts.backend))[1]
                 raise RuntimeConfigError(
-                    f"{opts.backend}.enabled is true but its package cannot be imported ({exc}): "
-                    f"pip install {package or opts.backend} (or `pip install zerorun[{opts.backend}]`), "
+                    f"{opts.backend}.enabled is true but its package cannot be imported on this node ({exc}): "
+                    f"pip install {package} (or `pip install 'zerorun[{opts.backend}]'`), "
                     f"or set {opts.backend}.enabled: false"
                 ) from None
 

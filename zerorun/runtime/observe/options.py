@@ -11,19 +11,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from zerorun.config.observe_sections import MONITOR_EXTRAS
+
 if TYPE_CHECKING:
     from zerorun.config.schema import ZerorunConfig
 
-__all__ = ["MONITOR_PACKAGES", "FlopsProfilerOptions", "MonitorOptions", "ObserveOptions"]
+__all__ = ["MONITOR_SECTIONS", "FlopsProfilerOptions", "MonitorOptions", "ObserveOptions"]
 
-# Monitor section -> the package its backend imports (None: the standard library is enough).
-# `torch.utils.tensorboard` ships with torch but imports the `tensorboard` package.
-MONITOR_PACKAGES: dict[str, str | None] = {
-    "csv_monitor": None,
-    "tensorboard": "tensorboard",
-    "wandb": "wandb",
-    "comet": "comet_ml",
-}
+# The monitor sections: csv_monitor needs only the standard library; the others' packages are
+# the config's MONITOR_EXTRAS (checked there when the config is loaded).
+MONITOR_SECTIONS: tuple[str, ...] = ("csv_monitor", *MONITOR_EXTRAS)
 
 
 @dataclass(frozen=True)
@@ -59,7 +56,7 @@ class ObserveOptions:
     @classmethod
     def from_config(cls, cfg: ZerorunConfig) -> ObserveOptions:
         monitors = []
-        for name in MONITOR_PACKAGES:
+        for name in MONITOR_SECTIONS:
             section = getattr(cfg, name)
             if not section.enabled:
                 continue
