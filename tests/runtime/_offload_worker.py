@@ -6,7 +6,6 @@ argv: OUT_JSON NVME_DIR [CASE,CASE,...]. Run by test_offload.py via _spawn.
 
 from __future__ import annotations
 
-import copy
 import json
 import math
 import os
@@ -24,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _models  # noqa: E402
 import _offload_cases as oc  # noqa: E402
+import _reference as _ref  # noqa: E402
 
 import zerorun  # noqa: E402
 
@@ -112,69 +112,29 @@ def config_for(case: oc.OCase, nvme_dir: str) -> dict:
 
 def reference(
     model: nn.Module, case: oc.OCase, world: int, seed: int, scales: list[float] | None, device: torch.device
-) -> dict:
-    """Plain PyTorch on the global batch, the runtime's mixed-precision recipe, and -- for the
-    delayed update -- gradients of step t computed on the parameters before update t-1. The
-    forward/backward runs on the training device (the same matmul kernels as the ranks); the
-    optimizer runs where the runtime's does: with optimizer offload on the CPU (fused CPU Adam),
-    else on the device. (On CUDA the fused GPU and CPU AdamW kernels differ in the last fp32 bit;
-    in bf16 that can flip a compute weight, which later steps carry -- seen on an H200 at stage 3:
-    2.6e-4 master error against a 2e-4 bound, a grad norm 1.3e-5 off.)"""
-    dtype = DTYPES[case.dtype]
-    opt_device = torch.device("cpu") if case.device != "none" else torch.device(device)
-    master = model.to(opt_device)
-    separate = dtype != torch.float32 or case.delayed or opt_device != torch.device(device)
-    compute = copy.deepcopy(master).to(device, dtype) if separate else master
-    m_params = [p for p in master.parameters() if p.requires_grad]
-    c_params = [p for p in compute.parameters() if p.requires_grad]
-    opt = OPTIMIZERS[case.optim][1](m_params)
-    inject = {tuple(x) for x in case.inject}
-    losses, norms, taken = [], [], 0
-    for step in range(case.steps):
-        scale = scales[step] if scales else 1.0
-        total = [torch.zeros_like(p, dtype=torch.float32) for p in c_params]
-        step_losses = [[0.0] * world for _ in range(case.accum)]
-        for rank in range(world):
-            acc = [torch.zeros_like(p, dtype=torch.float32) for p in c_params]
-            for micro in range(case.accum):
-                ids, tgt = _models.batch(seed, step, micro, rank, oc.MICRO_BATCH)
-                loss = compute(ids.to(device), tgt.to(device))
-                step_losses[micro][rank] = float(loss.detach())
-                if (step, rank) in inject:
-                    loss = loss * math.inf
-                (loss * (scale / case.accum)).backward()
-                for a, p in zip(acc, c_params, strict=True):
-                    if p.grad is not None:
-                        a.add_(p.grad)
-                        p.grad = None
-            for t, a in zip(total, acc, strict=True):
-                t.add_(a / world)
-        losses.append(step_losses)
-        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(t) for t in total])) / scale
-        norms.append(float(norm))
-        if not math.isfinite(float(norm)):
-            continue
-        coef = torch.clamp(torch.tensor(case.clip) / (norm + 1e-6), max=1.0) if case.clip > 0 else None
-        for p, t in zip(m_params, total, strict=True):
-            g = t / scale if scale != 1.0 else t
-            if coef is not None:
-                g.mul_(coef)
-            p.grad = g.to(opt_device)
-        delayed_now = case.delayed and taken >= case.warmup
-        before = [p.detach().clone() for p in m_params] if delayed_now else None
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        taken += 1
-        if compute is not master:
-            with torch.no_grad():
-                for c, m in zip(c_params, before or m_params, strict=True):
-                    c.copy_(m)
-    return {
-        "losses": losses,
-        "norms": norms,
-        "master": {n: p.detach().cpu().clone() for n, p in master.named_parameters()},
-        "compute": {n: p.detach().float().cpu().clone() for n, p in compute.named_parameters()},
-    }
+) -> _ref.RefResult:
+    """The shared reference trainer (_reference.py) with this case's optimizer, the delayed
+    update when the case has one, and the optimizer where the runtime's runs: with optimizer
+    offload on the CPU (fused CPU Adam), else on the device. (On CUDA the fused GPU and CPU AdamW
+    kernels differ in the last fp32 bit; in bf16 that can flip a compute weight, which later
+    steps carry -- seen on an H200 at stage 3: 2.6e-4 master error against a 2e-4 bound, a grad
+    norm 1.3e-5 off.)"""
+    return _ref.reference_train(
+        model,
+        dtype=DTYPES[case.dtype],
+        world=world,
+        steps=case.steps,
+        accum=case.accum,
+        batch=lambda step, micro, rank: _models.batch(seed, step, micro, rank, oc.MICRO_BATCH),
+        clip=case.clip,
+        make_optimizer=OPTIMIZERS[case.optim][1],
+        device=device,
+        opt_device=torch.device("cpu") if case.device != "none" else device,
+        scales=scales,
+        inject={tuple(x) for x in case.inject},
+        delayed=case.delayed,
+        warmup=case.warmup,
+    )
 
 
 def compute_params(model: nn.Module, stage: int) -> dict[str, torch.Tensor]:
@@ -246,7 +206,7 @@ def run_case(case: oc.OCase, rank: int, world: int, nvme_dir: str) -> dict | Non
         return None
     ref = reference(ref_model, case, world, seed, scales_before if case.dtype == "fp16" else None, device)
     ref_losses = [
-        [ref["losses"][s][m][r] for s in range(case.steps) for m in range(case.accum)] for r in range(world)
+        [ref.losses[s][m][r] for s in range(case.steps) for m in range(case.accum)] for r in range(world)
     ]
 
     def err(a: torch.Tensor, b: torch.Tensor) -> list[float]:
@@ -255,9 +215,9 @@ def run_case(case: oc.OCase, rank: int, world: int, nvme_dir: str) -> dict | Non
     return {
         "ranks": gathered,
         "ref_losses": ref_losses,
-        "ref_norms": ref["norms"],
-        "master_err": {n: err(masters[n], ref["master"][n]) for n in masters},
-        "compute_err": {n: err(compute[n], ref["compute"][n]) for n in ref["compute"]},
+        "ref_norms": ref.norms,
+        "master_err": {n: err(masters[n], ref.master[n]) for n in masters},
+        "compute_err": {n: err(compute[n], ref.compute[n].float()) for n in ref.compute},
     }
 
 
