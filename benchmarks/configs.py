@@ -29,6 +29,8 @@ class BenchConfig:
     # zerorun: offload_optimizer.ratio (Twin-Flow partial offload, exact): the host's share of
     # the optimizer states; the rest stays on the GPU and steps there at the same time.
     offload_ratio: float = 1.0
+    # zerorun: zero_optimization.zenflow with ZENFLOW (changes the math: docs/offload.md)
+    zenflow: bool = False
     # plain PyTorch is one process on one GPU whatever --nproc says: its tokens/s per GPU is
     # the baseline every row is compared with.
     single_process: bool = False
@@ -46,6 +48,11 @@ class BenchConfig:
     def offloads(self) -> bool:
         """Host offload: the slow configurations, run last so a call cut short loses least."""
         return self.cpu_offload or self.offload_optimizer or self.offload_param
+
+
+# ZenFlow as issue 17's target row: DeepSpeed's documented example values (topk_ratio 0.05,
+# update_interval 4); columns re-selected every 16 steps.
+ZENFLOW = {"topk_ratio": 0.05, "select_strategy": "step", "select_interval": 16, "update_interval": 4}
 
 
 def _zr(name: str, stage: int, desc: str, **kw: Any) -> BenchConfig:
@@ -107,6 +114,13 @@ CATALOGUE: dict[str, BenchConfig] = {
             _zr(f"zero{s}_compile", s, f"zerorun stage {s}, bf16, compiled blocks", compile=True)
             for s in range(4)
         ],
+        _zr(
+            "zero2_zenflow",
+            2,
+            "zerorun stage 2 + CPU optimizer offload + ZenFlow (top 5 % columns on the GPU, the rest every 4 steps)",
+            offload_optimizer=True,
+            zenflow=True,
+        ),
         *[
             _zr(
                 f"zero{s}_collectives",
@@ -218,6 +232,8 @@ def zerorun_ds_config(
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
         if cfg.offload_ratio != 1.0:
             zero["offload_optimizer"]["ratio"] = cfg.offload_ratio
+    if cfg.zenflow:
+        zero["zenflow"] = dict(ZENFLOW)
     if cfg.offload_param:
         zero["offload_param"] = {"device": "cpu", "pin_memory": True}
     extra = {"zerorun": {"delayed_param_update": True}} if cfg.delayed_update else {}

@@ -67,7 +67,12 @@ def test_select_presets_and_unknown_names() -> None:
         "zero3_offload_opt",
         "zero3_offload_ratio",
         "zero3_offload_param",
+        "zero2_zenflow",
     }
+    zen = configs.zerorun_ds_config(
+        configs.CATALOGUE["zero2_zenflow"], micro_batch=8, lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0
+    )
+    assert zen["zero_optimization"]["zenflow"] == configs.ZENFLOW
     half = configs.zerorun_ds_config(
         configs.CATALOGUE["zero2_offload_ratio"], micro_batch=8, lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0
     )
