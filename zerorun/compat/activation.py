@@ -36,11 +36,13 @@ from typing import Any
 __all__ = [
     "COMPAT_VERSION",
     "ENV_VAR",
+    "INSTALLER",
     "AliasFinder",
     "DistributionFinder",
     "activate",
     "deactivate",
     "is_active",
+    "is_ours",
     "real_deepspeed",
 ]
 
@@ -53,6 +55,9 @@ __all__ = [
 # reached: accelerate then refuses SP before touching anything, which is true of zerorun too.
 COMPAT_VERSION = "0.16.4+zerorun"
 ENV_VAR = "ZERORUN_DEEPSPEED_COMPAT"
+# The INSTALLER of the layer's deepspeed distributions: the in-process one below and the
+# dist-info `zerorun compat install` writes (venv_install.py). Anything else is a real DeepSpeed.
+INSTALLER = "zerorun"
 _ROOT = "deepspeed"
 _TARGET = "zerorun.compat.deepspeed"
 # Names that are attributes in DeepSpeed and that scripts also import as modules.
@@ -128,7 +133,7 @@ class _CompatDistribution(importlib.metadata.Distribution):
         if filename == "top_level.txt":
             return "deepspeed\n"
         if filename == "INSTALLER":
-            return "zerorun\n"
+            return INSTALLER + "\n"
         return None
 
     def locate_file(self, path: Any) -> Any:
@@ -195,6 +200,11 @@ def is_active() -> bool:
     return _alias in sys.meta_path
 
 
+def is_ours(dist: importlib.metadata.Distribution) -> bool:
+    """Whether a deepspeed distribution is the layer's (not a real DeepSpeed)."""
+    return (dist.read_text("INSTALLER") or "").strip() == INSTALLER
+
+
 def real_deepspeed() -> tuple[str, str] | None:
     """(version, location) of a DeepSpeed installed in this environment, ignoring the layer."""
     was_active, had_metadata = is_active(), _dists in sys.meta_path
@@ -202,10 +212,7 @@ def real_deepspeed() -> tuple[str, str] | None:
         deactivate()
     try:
         # Not the layer's own `zerorun compat install` (its dist-info's INSTALLER is zerorun).
-        dists = [
-            d for d in importlib.metadata.distributions(name=_ROOT)
-            if (d.read_text("INSTALLER") or "").strip() != "zerorun"
-        ]
+        dists = [d for d in importlib.metadata.distributions(name=_ROOT) if not is_ours(d)]
     finally:
         if was_active:
             _install(had_metadata)

@@ -29,11 +29,10 @@ import sysconfig
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from zerorun.compat.activation import COMPAT_VERSION
+from zerorun.compat.activation import COMPAT_VERSION, INSTALLER, is_ours
 
 __all__ = ["INSTALLER", "InstallError", "Layout", "layout", "install", "uninstall", "status", "is_ours"]
 
-INSTALLER = "zerorun"
 PTH_NAME = "zerorun_deepspeed_compat.pth"
 _PTH_LINE = (
     "import os, sys; exec(\"try:\\n import zerorun.compat as _z\\n _z.activate(announce=False, metadata=False)\\nexcept Exception:\\n pass\") "
@@ -69,10 +68,6 @@ def layout() -> Layout:
         )
     paths = sysconfig.get_paths()
     return Layout(Path(sys.prefix), Path(paths["purelib"]), Path(paths["scripts"]))
-
-
-def is_ours(dist: importlib.metadata.Distribution) -> bool:
-    return (dist.read_text("INSTALLER") or "").strip() == INSTALLER
 
 
 def _deepspeed_dists(site: Path) -> list[importlib.metadata.Distribution]:
