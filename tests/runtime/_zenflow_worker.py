@@ -1,4 +1,5 @@
-"""One rank (world 1) of the ZenFlow test: each case trains a small model through zerorun with
+"""One rank (world 1) of the ZenFlow test (on the training device zerorun picks: CPU here, CUDA on a
+GPU machine): each case trains a small model through zerorun with
 `zero_optimization.zenflow` and, in the same process, through a plainly written reference of
 zerorun's ZenFlow rule (docs/offload.md); writes {case: result} for test_offload_zenflow.py.
 
@@ -47,9 +48,13 @@ class Net(nn.Module):
         return F.cross_entropy(self.head(h).float().view(-1, VOCAB), targets.view(-1))
 
 
+DEVICE = torch.device("cpu")  # the training device: run() sets it to the engine's
+
+
 def batch(step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 * step + micro)
-    return torch.randint(0, VOCAB, (2, 8), generator=g), torch.randint(0, VOCAB, (2, 8), generator=g)
+    ids, tgt = torch.randint(0, VOCAB, (2, 8), generator=g), torch.randint(0, VOCAB, (2, 8), generator=g)
+    return ids.to(DEVICE), tgt.to(DEVICE)
 
 
 def config(stage: int, dtype: str, clip: float, accum: int, zf: tuple[float, int, int, int]) -> dict:
@@ -118,7 +123,7 @@ def reference(model: nn.Module, dtype: torch.dtype, clip: float, accum: int, ste
                 continue
             cols = g.shape[-1]
             score = (g.reshape(-1, cols) ** 2).sum(0)
-            chosen = torch.zeros(cols, dtype=torch.bool)
+            chosen = torch.zeros(cols, dtype=torch.bool, device=g.device)
             chosen[torch.topk(score, min(cols, max(1, math.ceil(topk * cols)))).indices] = True
             out.append(chosen.expand(g.reshape(-1, cols).shape).reshape(g.shape))
         return out
@@ -145,7 +150,7 @@ def reference(model: nn.Module, dtype: torch.dtype, clip: float, accum: int, ste
                     p.grad = None
         if clip > 0:
             norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
-            coef = torch.clamp(torch.tensor(clip) / (norm + 1e-6), max=1.0)
+            coef = torch.clamp(torch.tensor(clip, device=norm.device) / (norm + 1e-6), max=1.0)
             grads = [g * coef for g in grads]
         if step < warm:
             state["slow"] += 1
@@ -171,8 +176,8 @@ def reference(model: nn.Module, dtype: torch.dtype, clip: float, accum: int, ste
                     c.copy_(p)
     return {
         "losses": losses,
-        "master": {n: p.detach().clone() for n, p in zip(names, ps, strict=True)},
-        "compute": {n: p.detach().float().clone() for n, p in compute.named_parameters()},
+        "master": {n: p.detach().cpu().clone() for n, p in zip(names, ps, strict=True)},
+        "compute": {n: p.detach().float().cpu().clone() for n, p in compute.named_parameters()},
     }
 
 
@@ -208,6 +213,8 @@ def run(name: str) -> dict:
     ref_model = copy.deepcopy(model)
     exact_model = copy.deepcopy(model)
     engine, _, _, _ = zerorun.initialize(model=model, config=config(stage, dtype, clip, accum, zf))
+    global DEVICE
+    DEVICE = engine.device
     placement = engine.stage.state.placement
     losses = []
     for step in range(steps):
@@ -219,9 +226,9 @@ def run(name: str) -> dict:
     masters = _models.full_masters(engine)
     if stage == 3:
         with zerorun.zero.GatheredParameters(list(model.parameters())):
-            compute = {n: p.detach().float().clone() for n, p in model.named_parameters()}
+            compute = {n: p.detach().float().cpu().clone() for n, p in model.named_parameters()}
     else:
-        compute = {n: p.detach().float().clone() for n, p in model.named_parameters()}
+        compute = {n: p.detach().float().cpu().clone() for n, p in model.named_parameters()}
     memory = engine.memory_summary()
     info = {
         "placement": type(placement).__name__,
@@ -235,8 +242,9 @@ def run(name: str) -> dict:
         "memory": memory,
     }
     engine.destroy()
-    ref = reference(ref_model, DTYPES[dtype], clip, accum, steps, zf)
-    exact = exact_losses(exact_model, DTYPES[dtype], clip, accum, steps)
+    # The reference runs on the training device too (the same matmul kernels as the engine).
+    ref = reference(ref_model.to(DEVICE), DTYPES[dtype], clip, accum, steps, zf)
+    exact = exact_losses(exact_model.to(DEVICE), DTYPES[dtype], clip, accum, steps)
 
     def err(a: torch.Tensor, b: torch.Tensor) -> list[float]:
         return [float((a - b).abs().max()), float(b.abs().max())]
