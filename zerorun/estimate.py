@@ -454,6 +454,19 @@ def _buffers(
         if largest_layer:
             # One layer gathered whole, with its full gradient before the reduce-scatter.
             gpu["largest_layer"] = float(largest_layer * (bpe.params + bpe.grads))
+    # ZenFlow (zero_optimization.zenflow, with the optimizer on the CPU; runtime/offload/zenflow.py):
+    # the GPU sums the unimportant gradients of an interval (fp32, the rank's shard) and holds
+    # compact fp32 master + Adam states of the important columns (topk_ratio of each matrix's
+    # columns; one-dimensional parameters are all important, so this is a lower bound).
+    zf = getattr(zero, "zenflow", None) if zero is not None else None
+    if zf is not None and opt_dev == "cpu" and stage >= 1:
+        shard = psi / n
+        gpu["zenflow_gradient_sum"] = float(4 * shard)
+        gpu["zenflow_important_states"] = float((4 + bpe.optimizer_states) * float(zf.topk_ratio) * shard)
+        notes.append(
+            "zenflow: the GPU also holds the interval's gradient sum (4Ψ/N) and the important columns' fp32 "
+            "master + states (topk_ratio × (4 + states) Ψ/N; more with many 1-D parameters)"
+        )
     cpu: dict[str, float] = {}
     # NVMe optimizer offload steps tile by tile (runtime/offload/nvme.py): max(2, buffer_count)
     # host buffer sets of master + states for one tile of sub_group_size elements (rounded up

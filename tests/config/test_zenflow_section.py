@@ -104,3 +104,20 @@ def test_settings_resolve_the_intervals() -> None:
     assert zf({"select_strategy": "epoch", "select_interval": 2, "steps_per_epoch": 50, "update_interval": 4}).select_interval == 100
     assert zf({}).select_interval == 0 and zf({}).update_interval == 4  # once; "auto" -> 4
     assert zf({}, device="none") is None
+
+
+def test_estimate_counts_the_gpu_buffers() -> None:
+    from zerorun.estimate import model_state_bytes
+
+    cfg = {
+        "train_micro_batch_size_per_gpu": 1,
+        "bf16": {"enabled": True},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+        "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}, "zenflow": {"topk_ratio": 0.05}},
+    }
+    est = model_state_bytes(1_000_000_000, 4, cfg)
+    assert est.buffers["gpu"]["zenflow_gradient_sum"] == 4 * 250_000_000
+    assert est.buffers["gpu"]["zenflow_important_states"] == pytest.approx(12 * 0.05 * 250_000_000)
+    assert any("zenflow" in note for note in est.notes)
+    plain = model_state_bytes(1_000_000_000, 4, {**cfg, "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}})
+    assert "zenflow_gradient_sum" not in plain.buffers["gpu"]
