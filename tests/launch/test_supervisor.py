@@ -59,3 +59,57 @@ def test_supervisor_fail_fast_across_nodes_and_node_lost(tmp_path: Path) -> None
     result = Supervisor(plan, [node_a, node_b], PlainConsole(out=io.StringIO(), err=io.StringIO())).run()
     assert result.exit_code == 255 and result.reason == "node_lost" and "node b" in result.message
     assert [s.state for s in result.ranks] == ["stopped", "lost"]
+
+
+def test_a_runner_that_fails_to_start_leaves_nothing_open() -> None:
+    """start() of node b raises (its link closed after the preflight): the supervisor kills
+    node a's ranks and closes every runner, also c's, which never started and still held its
+    node's agent (before: only started runners were closed; c's srun/link/simulated host and a
+    LocalRunner's pipes stayed open)."""
+    import pytest
+
+    from zerorun.errors import LaunchError
+
+    class Failing(ScriptedRunner):
+        def start(self, sink) -> None:
+            raise LaunchError("the link to b closed before the job started")
+
+    closed: list[str] = []
+
+    def closing(cls, name, node, script):
+        runner = cls(node, script)
+        runner.close = lambda: closed.append(name)  # type: ignore[method-assign]
+        return runner
+
+    plan = plan_for([Host("a", (0,)), Host("b", (0,)), Host("c", (0,))])
+    a = closing(ScriptedRunner, "a", plan.nodes[0], [RankStarted(0, 100)])
+    b = closing(Failing, "b", plan.nodes[1], [])
+    c = closing(ScriptedRunner, "c", plan.nodes[2], [])
+    with pytest.raises(LaunchError, match="closed before the job started"):
+        Supervisor(plan, [a, b, c], PlainConsole(out=io.StringIO(), err=io.StringIO())).run()
+    assert a.killed and not c.killed
+    assert closed == ["a", "b", "c"]
+
+
+def test_a_link_runner_never_started_closes_at_once() -> None:
+    import socket
+    import time
+
+    from zerorun.launch.link import Link, LinkHub, LinkRunner
+
+    plan = plan_for([Host("a", (0, 1))])
+    ours, theirs = socket.socketpair()
+    hub = LinkHub()
+    try:
+        link = Link("a", ours)
+        hub.add(link)
+        runner = LinkRunner(plan, plan.nodes[0], link, hub)
+        t0 = time.monotonic()
+        runner.close()
+        assert time.monotonic() - t0 < 1.0  # not the 2 s wait for exits of ranks that never ran
+        assert link.closed.is_set()
+        theirs.settimeout(5)
+        assert theirs.recv(1) == b""  # the agent's end sees EOF: it exits
+    finally:
+        hub.close()
+        theirs.close()

@@ -291,7 +291,9 @@ class LinkRunner:
         self.link.send("kill")
 
     def close(self) -> None:
-        if len(self._exited) < len(self.node.ranks) and not self._lost:
+        # Give the agent a moment to report the exits of a kill() just sent (never started:
+        # nothing to wait for).
+        if self._sink is not None and len(self._exited) < len(self.node.ranks) and not self._lost:
             self._done.wait(_CLOSE_WAIT_S)
         self._done.set()
         self.link.close()

@@ -266,8 +266,9 @@ class SshRunner:
         self.channel.send("kill")
 
     def close(self) -> None:
-        # Give the agent a moment to report the exits of a kill() just sent.
-        if len(self._exited) < len(self.node.ranks) and not self._lost:
+        # Give the agent a moment to report the exits of a kill() just sent (never started:
+        # nothing to wait for).
+        if self._sink is not None and len(self._exited) < len(self.node.ranks) and not self._lost:
             self._done.wait(2.0)
         self._done.set()
         self.channel.close()  # EOF on the agent's stdin: it kills whatever is left and exits

@@ -138,7 +138,9 @@ class Supervisor:
             for runner in started:
                 _quietly(runner.kill)
             self._drain_nowait()
-            for runner in started:
+            # Every runner, started or not: when one's start() failed, the ones after it still
+            # hold a node's link, agent, srun/mpirun or simulated host, which close() releases.
+            for runner in self.runners:
                 _quietly(runner.close)
             self._drain_nowait()
             self._restore_signal_handlers(old_handlers)
