@@ -14,6 +14,11 @@ in one go (one sync: a stack + `tolist`, and the CUDA timer events) and reported
 
 Between print steps a light `status` event (step, loss, lr) keeps the live panel moving, at
 most once a second (reading the loss is a host sync, so never more often).
+
+A `steps_per_print` longer than `MAX_PENDING` steps (DeepSpeed configs set 2000, or 1e9 to
+silence the prints) does not hold every step's device tensors and CUDA events until the print:
+every `MAX_PENDING` steps they are read (one host sync) and written to the monitors, without a
+print or an event.
 """
 
 from __future__ import annotations
@@ -34,7 +39,9 @@ from zerorun.runtime.observe.monitors import Event, MonitorSet
 from zerorun.runtime.observe.options import ObserveOptions
 from zerorun.runtime.observe.timers import PHASES, PhaseTimers
 
-__all__ = ["StepReporter", "StepRecord", "count_tokens", "TIMER_TAGS"]
+__all__ = ["StepReporter", "StepRecord", "count_tokens", "TIMER_TAGS", "MAX_PENDING"]
+
+MAX_PENDING = 1000  # steps recorded on the device at most between two reads (module docstring)
 
 # DeepSpeed's monitor tags for the timers.
 TIMER_TAGS = {
@@ -208,6 +215,8 @@ class StepReporter:
         self._micro_in_step = 0
         if step % self.options.steps_per_print == 0:
             self._report(moms)
+        elif len(self._records) >= MAX_PENDING:
+            self._report(moms, show=False)
         else:
             self._light_status(step, loss, lrs)
 
@@ -227,7 +236,9 @@ class StepReporter:
                     extra[key] = self.last_report[key]
         events.emit("status", step=step, loss=value, lr=lrs[0] if lrs else None, **extra)
 
-    def _report(self, moms: list[Any]) -> None:
+    def _report(self, moms: list[Any], *, show: bool = True) -> None:
+        """Read the steps since the last report (the one host sync) and write them to the
+        monitors; with `show`, also the stdout line (rank 0) and the status event."""
         records, self._records = self._records, []
         losses, norms = _read_scalars(records)
         timers = self.timers.collect() if self.timers is not None else []
@@ -253,14 +264,15 @@ class StepReporter:
             report["timers_ms"] = mean_timers
         if last.gpu_max_allocated is not None:
             report["gpu_max_allocated"] = last.gpu_max_allocated
-        checkpoints = take_checkpoint_profile()  # activation_checkpointing.profile; None when off
-        if checkpoints is not None:
-            report["checkpoint_profile"] = checkpoints
+        if show:
+            checkpoints = take_checkpoint_profile()  # activation_checkpointing.profile; None when off
+            if checkpoints is not None:
+                report["checkpoint_profile"] = checkpoints
         self.last_report = report
-        if self.rank == 0:
+        if show and self.rank == 0:
             self._print(report, moms)
         events = _events()
-        if events is not None and events.connected():
+        if show and events is not None and events.connected():
             events.emit("status", **report)
         if self.monitors.enabled:
             self.monitors.write_events(self._monitor_events(records, losses, norms, timers, samples_per_sec, tokens_per_sec))
