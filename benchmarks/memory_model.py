@@ -18,9 +18,10 @@ moves the 16-bit slices, which exist with any offload.
 
 The check is not circular: the estimator is arithmetic from the config, and the measured side
 always comes from the allocator (CUDA) or a census of live tensors (CPU), never from zerorun's
-own report. Buffers are a separate term: `config_buffer_bytes` is the most the config lets
-zerorun hold (an upper bound, the buckets may be transient); the check uses the buffers zerorun
-reports (`reported_buffer_bytes`).
+own report. Buffers are a separate term, also from the config alone: `config_buffer_bytes` is
+the most the config lets zerorun hold (an upper bound, the buckets may be transient); the band's
+upper edge is formula + that. What zerorun reports about its buffers (`reported_buffer_bytes`)
+is recorded beside it, never used in the check.
 """
 
 from __future__ import annotations

@@ -272,8 +272,9 @@ def _memory_section(recs: Sequence[dict[str, Any]]) -> list[str]:
     out = [
         "Multi-rank memory: each rank's `torch.cuda.memory_allocated()` (the allocator, not zerorun's report;"
         " on CPU a census of live tensors) after the last step's backward, against the ZeRO formula"
-        " (docs/architecture.md Contract 4). Within 5 % means inside [formula, formula + the buffers zerorun"
-        " reports] widened by 5 %: the reported buffers are their peak, alive or not at that point.",
+        " (docs/architecture.md Contract 4). Within 5 % means inside [formula, formula + the buffers the config"
+        " allows] widened by 5 % (config arithmetic only: what zerorun reports about itself is not used; older"
+        " records used it).",
         "",
         "| configuration | status | ranks (per GPU) | measured by | formula MiB | + buffers MiB"
         " | measured MiB (min–max) | vs formula | outside band | within 5 % | host: formula / census MiB |",

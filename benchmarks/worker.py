@@ -122,12 +122,18 @@ def _ds_config(bench: BenchConfig, args: WorkerArgs, micro_batch: int) -> dict[s
         return None
     override = json.loads(args.zerorun_override) if args.zerorun_override else None
     if args.mode == "memory":
-        # Small, explicit buffers so the formula's terms dominate and the buffer term is known.
+        # Explicit buffers sized from the model (1/16 of Ψ each), so the formula's terms dominate
+        # and the buffer allowance (from the config alone) stays small beside them; and every
+        # parameter partitioned at stage 3 (persistence threshold 0: with the default 1e5 the
+        # tiny model's largest parameter stayed replicated and stage 3 equalled stage 2).
+        cfg = gpt_model.get_config(args.size, **({"seq_len": args.seq_len} if args.seq_len else {}))
+        bucket = max(4096, gpt_model.count_parameters(cfg) // 16)
         zero_bufs = {
-            "reduce_bucket_size": 20_000_000,
-            "allgather_bucket_size": 20_000_000,
-            "stage3_prefetch_bucket_size": 20_000_000,
-            "stage3_max_live_parameters": 100_000_000,
+            "reduce_bucket_size": bucket,
+            "allgather_bucket_size": bucket,
+            "stage3_prefetch_bucket_size": bucket,
+            "stage3_max_live_parameters": 4 * bucket,
+            "stage3_param_persistence_threshold": 0,
         }
         override = {"zero_optimization": zero_bufs, **(override or {})}
     if bench.delayed_update and "delayed_param_update_warmup" not in (override or {}).get("zerorun", {}):
@@ -284,10 +290,11 @@ def _memory(args: WorkerArgs, bench: BenchConfig, ctx: RankContext, record: dict
         offload_optimizer="offload_optimizer" in zero,
         offload_param="offload_param" in zero,
     )
-    reported = memory_model.reported_buffer_bytes(report, ctx.device.type)
-    # No report (older runtime): allow the buffers the config sizes instead.
+    reported = memory_model.reported_buffer_bytes(report, ctx.device.type)  # recorded, not used
+    # The band's upper edge: the formula + the buffers the config allows (config arithmetic
+    # only; zerorun's report about itself would make the check partly circular).
     config_buffers = memory_model.config_buffer_bytes(ds_config, psi, ctx.world_size)
-    buffers = reported if reported is not None else config_buffers["total"]
+    buffers = config_buffers["total"]
     # On CPU the "device" is the host: offloaded terms stay in what is measured.
     device_formula = formula["gpu"]["total"] + (0.0 if on_cuda else formula["host"]["total"])
     device_between_steps = formula["gpu"]["between_steps"] + (
