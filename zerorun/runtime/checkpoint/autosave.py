@@ -116,7 +116,9 @@ class _PreemptionWatch:
             else:
                 stop = bool(flag.item())
         device = self.engine.device
-        flag = torch.tensor([1 if self.signalled else 0], dtype=torch.int32, device=device)
+        # torch.full is a fill kernel; torch.tensor([...], device="cuda") would copy from pageable
+        # host memory and synchronize the stream -- a host sync at every step boundary.
+        flag = torch.full((1,), 1 if self.signalled else 0, dtype=torch.int32, device=device)
         work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=comm.group, async_op=True)
         event = host = None
         if device.type == "cuda":
