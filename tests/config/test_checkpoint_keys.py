@@ -8,6 +8,7 @@ import pytest
 from zerorun.config import load_config
 from zerorun.errors import ConfigError, RuntimeConfigError
 from zerorun.runtime.checkpoint.options import CheckpointOptions, checkpoint_options
+from zerorun.runtime.settings import CheckpointSettings, settings_from_config
 
 BASE = {"train_micro_batch_size_per_gpu": 1}
 
@@ -39,16 +40,30 @@ def test_deepspeed_checkpoint_writer_points_to_async() -> None:
     assert any("checkpoint.writer" in n and "zerorun.checkpoint.async" in n for n in loaded.notices), loaded.notices
 
 
+def _settings(section: dict | None) -> CheckpointSettings:
+    """RuntimeSettings.checkpoint for a `zerorun:` section, as initialize builds it."""
+    cfg = load_config({**BASE, "zerorun": section or {}}).config
+    return settings_from_config(cfg, world_size=1).checkpoint
+
+
 def test_options_from_the_section_and_the_launcher() -> None:
     section = {"checkpoint": {"dir": "/c", "every_n_steps": 2, "async": True}}
-    assert checkpoint_options(section, env={}) == CheckpointOptions(dir="/c", every_n_steps=2, async_save=True)
-    opts = checkpoint_options(section, env={"ZERORUN_RESUME_FROM": "/r", "ZERORUN_SAVE_ON_PREEMPTION": "1"})
+    assert checkpoint_options(_settings(section), env={}) == CheckpointOptions(
+        dir="/c",
+        auto_resume=False,
+        every_n_steps=2,
+        keep_last=0,
+        async_save=True,
+        resume_from=None,
+        save_on_preemption=False,
+    )
+    opts = checkpoint_options(_settings(section), env={"ZERORUN_RESUME_FROM": "/r", "ZERORUN_SAVE_ON_PREEMPTION": "1"})
     assert (opts.load_dir, opts.save_dir, opts.save_on_preemption, opts.active) == ("/r", "/c", True, True)
     # --resume_from alone: load from there, and save there
-    opts = checkpoint_options(None, env={"ZERORUN_RESUME_FROM": "/r"})
+    opts = checkpoint_options(_settings(None), env={"ZERORUN_RESUME_FROM": "/r"})
     assert (opts.load_dir, opts.save_dir, opts.active) == ("/r", "/r", False)
     # auto_resume without a directory loads nothing
-    assert checkpoint_options({"checkpoint": {"dir": "/c"}}, env={}).load_dir is None
+    assert checkpoint_options(_settings({"checkpoint": {"dir": "/c"}}), env={}).load_dir is None
 
 
 @pytest.mark.parametrize(
@@ -61,4 +76,4 @@ def test_options_from_the_section_and_the_launcher() -> None:
 )
 def test_options_without_a_directory_are_an_error_naming_the_fix(section: dict | None, env: dict, what: str) -> None:
     with pytest.raises(RuntimeConfigError, match=f"{what}.*needs a checkpoint directory.*zerorun.checkpoint.dir"):
-        checkpoint_options(section, env=env)
+        checkpoint_options(_settings(section), env=env)

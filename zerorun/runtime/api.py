@@ -256,17 +256,17 @@ def initialize(
         device=ctx.device,
     )
     engine.training_dataloader = loader
-    _attach_checkpointing(engine, cfg)
+    _attach_checkpointing(engine)
     return engine, torch_opt, loader, scheduler
 
 
-def _attach_checkpointing(engine: Engine, cfg: ZerorunConfig) -> None:
+def _attach_checkpointing(engine: Engine) -> None:
     """Periodic/async saves, auto-resume and preemption (runtime/checkpoint/autosave.py) when
     the config's `zerorun.checkpoint` or the launcher (--resume_from, --save_on_preemption)
     asks for them; the resume happens here, before the script gets the engine."""
     from zerorun.runtime.checkpoint.options import checkpoint_options
 
-    options = checkpoint_options(getattr(cfg, "zerorun", None))
+    options = checkpoint_options(engine.settings.checkpoint)
     if options.load_dir is None and not options.active:
         return
     from zerorun.runtime.checkpoint.autosave import EngineCheckpointing

@@ -16,7 +16,7 @@ one line in ``settings_from_config`` reading it by attribute. docs/architecture.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from pydantic import BaseModel
 
     from zerorun.config.schema import ZerorunConfig
+    from zerorun.config.zerorun_section import _CheckpointKeys
 
 __all__ = [
     "RuntimeSettings",
@@ -174,6 +175,13 @@ class Stage3Settings:
 @dataclass(frozen=True)
 class CheckpointSettings:
     gather_16bit_weights_on_model_save: bool  # stage3_gather_16bit_weights_on_model_save
+    # zerorun.checkpoint: what the engine saves and resumes by itself (runtime/checkpoint/
+    # options.py adds the launcher's --resume_from / --save_on_preemption)
+    dir: str | None
+    auto_resume: bool
+    every_n_steps: int
+    keep_last: int
+    async_save: bool  # zerorun.checkpoint.async
 
 
 @dataclass(frozen=True)
@@ -282,6 +290,9 @@ def settings_from_config(
     )
     opt_dev, param_dev = offload_in_effect(zero.stage, zero.offload_optimizer.device, zero.offload_param.device)
     zr = cfg.zerorun
+    # CheckpointSection is made with pydantic's create_model (for its `async` key), which the type
+    # checker cannot see through: its fields are those of the class it extends.
+    ck = cast("_CheckpointKeys", zr.checkpoint)
     return RuntimeSettings(
         stage=zero.stage,
         batch=BatchSettings(
@@ -344,6 +355,11 @@ def settings_from_config(
         ),
         checkpoint=CheckpointSettings(
             gather_16bit_weights_on_model_save=zero.stage3_gather_16bit_weights_on_model_save,
+            dir=ck.dir,
+            auto_resume=ck.auto_resume,
+            every_n_steps=ck.every_n_steps,
+            keep_last=ck.keep_last,
+            async_save=getattr(ck, "async"),  # a Python keyword: no attribute syntax
         ),
         logging=LoggingSettings(steps_per_print=cfg.steps_per_print),
         observe=ObserveOptions.from_config(cfg),

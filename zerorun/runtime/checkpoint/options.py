@@ -1,7 +1,7 @@
 """What the runtime does about checkpoints by itself: one frozen object, read once.
 
-Built from the config's `zerorun.checkpoint` section (Contract 1) and the launcher's variables
-(Contract 2): ``ZERORUN_RESUME_FROM`` (``zerorun --resume_from PATH``) and
+Built from ``RuntimeSettings.checkpoint`` (the config's `zerorun.checkpoint`, read once in
+runtime/settings.py) and the launcher's variables (Contract 2): ``ZERORUN_RESUME_FROM`` (``zerorun --resume_from PATH``) and
 ``ZERORUN_SAVE_ON_PREEMPTION`` (``zerorun --save_on_preemption``). The engine's periodic saves,
 the automatic resume and the preemption handling (`periodic.py`) read only this.
 """
@@ -11,9 +11,9 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 from zerorun.errors import RuntimeConfigError
+from zerorun.runtime.settings import CheckpointSettings
 
 __all__ = ["CheckpointOptions", "checkpoint_options", "RESUME_ENV", "PREEMPTION_ENV", "PREEMPTED_EXIT_CODE"]
 
@@ -26,13 +26,13 @@ PREEMPTED_EXIT_CODE = 75
 
 @dataclass(frozen=True)
 class CheckpointOptions:
-    dir: str | None = None  # zerorun.checkpoint.dir
-    auto_resume: bool = False
-    every_n_steps: int = 0
-    keep_last: int = 0
-    async_save: bool = False  # zerorun.checkpoint.async
-    resume_from: str | None = None  # the launcher's --resume_from
-    save_on_preemption: bool = False  # the launcher's --save_on_preemption
+    dir: str | None  # zerorun.checkpoint.dir
+    auto_resume: bool
+    every_n_steps: int
+    keep_last: int
+    async_save: bool  # zerorun.checkpoint.async
+    resume_from: str | None  # the launcher's --resume_from
+    save_on_preemption: bool  # the launcher's --save_on_preemption
 
     @property
     def save_dir(self) -> str | None:
@@ -52,23 +52,15 @@ class CheckpointOptions:
         return self.every_n_steps > 0 or self.save_on_preemption
 
 
-def _get(obj: Any, name: str, default: Any) -> Any:
-    if obj is None:
-        return default
-    value = obj.get(name, None) if isinstance(obj, Mapping) else getattr(obj, name, None)
-    return default if value is None else value
-
-
-def checkpoint_options(zerorun_section: Any, env: Mapping[str, str] | None = None) -> CheckpointOptions:
-    """`zerorun.checkpoint` (model or dict) + the launcher's variables -> CheckpointOptions."""
+def checkpoint_options(settings: CheckpointSettings, env: Mapping[str, str] | None = None) -> CheckpointOptions:
+    """The checkpoint settings + the launcher's variables -> CheckpointOptions."""
     env = os.environ if env is None else env
-    section = _get(zerorun_section, "checkpoint", None)
     opts = CheckpointOptions(
-        dir=_get(section, "dir", None),
-        auto_resume=bool(_get(section, "auto_resume", False)),
-        every_n_steps=int(_get(section, "every_n_steps", 0)),
-        keep_last=int(_get(section, "keep_last", 0)),
-        async_save=bool(_get(section, "async", False)),
+        dir=settings.dir,
+        auto_resume=settings.auto_resume,
+        every_n_steps=settings.every_n_steps,
+        keep_last=settings.keep_last,
+        async_save=settings.async_save,
         resume_from=env.get(RESUME_ENV) or None,
         save_on_preemption=env.get(PREEMPTION_ENV) == "1",
     )
