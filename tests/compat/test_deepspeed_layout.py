@@ -9,6 +9,7 @@ scripts/deepspeed_layout_check.py (its result: benchmarks/results/deepspeed_layo
 
 from __future__ import annotations
 
+import json
 import math
 import subprocess
 from pathlib import Path
@@ -119,6 +120,28 @@ def test_copied_recovery_script_consolidates(saved: Path, tmp_path: Path) -> Non
     want = get_fp32_state_dict(saved / "s3-fp16")
     for name in got:
         assert torch.equal(got[name].reshape(-1), want[name].reshape(-1)), name
+
+
+def test_recovery_script_takes_sizes_as_zerorun_consolidate_does(
+    saved: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from zerorun.runtime.checkpoint.recovery_script import main
+
+    # Binary units too (HF's convention, which DeepSpeed's own script follows): shards of 1 KiB.
+    assert main([str(saved / "s3-fp16"), str(tmp_path / "out"), "--max_shard_size", "1KiB"]) == 0
+    index = json.loads((tmp_path / "out" / "pytorch_model.bin.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 1
+    got: dict[str, torch.Tensor] = {}
+    for f in files:
+        got.update(torch.load(tmp_path / "out" / f))
+    want = get_fp32_state_dict(saved / "s3-fp16")
+    tied = index["metadata"]["zerorun_tied"]  # aliases stored once
+    assert {n for n in want if n not in tied} <= set(got)
+    assert all(torch.equal(got[n].reshape(-1), want[n].reshape(-1)) for n in want if n not in tied)
+    # A bad size is a message and exit 1, not a traceback.
+    assert main([str(saved / "s3-fp16"), str(tmp_path / "o2"), "--max_shard_size", "lots"]) == 1
+    assert "--max_shard_size 'lots'" in capsys.readouterr().err
 
 
 def test_zerorun_loads_its_own_files_there_at_another_world_size(saved: Path) -> None:

@@ -14,24 +14,14 @@ Needs zerorun installed (as DeepSpeed's script needs DeepSpeed); same as
 from __future__ import annotations
 
 import argparse
-import re
 import sys
-
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
-
-
-def _size(text: str) -> int:
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?B?)\s*", text.upper())
-    if m is None:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 5GB)")
-    return int(float(m.group(1)) * _UNITS[m.group(2)])
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("checkpoint_dir", help="the directory with `latest` (or a tag directory)")
     parser.add_argument("output_dir", help="where model.safetensors / pytorch_model.bin (+ index) go")
-    parser.add_argument("--max_shard_size", type=_size, default="5GB")
+    parser.add_argument("--max_shard_size", default="5GB", help="e.g. 5GB, 500MB, 2GiB (as zerorun consolidate)")
     parser.add_argument("--safe_serialization", action="store_true", help="safetensors instead of torch files")
     parser.add_argument("-t", "--tag", default=None, help="checkpoint tag (default: the `latest` file)")
     parser.add_argument("--exclude_frozen_parameters", action="store_true")
@@ -42,6 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from zerorun.errors import ZerorunError
         from zerorun.runtime.checkpoint import consolidate
+        from zerorun.sizes import parse_size
     except ImportError:
         sys.stderr.write("zero_to_fp32.py: this checkpoint was written by zerorun; install zerorun to run it\n")
         return 1
@@ -52,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
             tag=args.tag,
             dtype="fp32",
             fmt="safetensors" if args.safe_serialization else "torch",
-            max_shard_size=args.max_shard_size,
+            max_shard_size=parse_size(args.max_shard_size),
         )
     except ZerorunError as err:
         sys.stderr.write(f"zero_to_fp32.py: {err}\n")
