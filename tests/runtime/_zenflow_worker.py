@@ -91,8 +91,8 @@ def reference(model: nn.Module, dtype: torch.dtype, clip: float, accum: int, ste
     """zerorun's ZenFlow rule, plainly: AdamW on masked elements of whole parameters. Columns of
     a parameter of 2+ dimensions: its last dimension; 1-D parameters always important. The
     important elements step every step (their own counter, started from the warm-up count), the
-    others on the mean of their summed gradients every update_interval steps and before a
-    re-selection (the host counter); selection = top ceil(topk * C) squared column norms of the
+    others on the mean of their k summed gradients at k times the learning rate every
+    update_interval steps and before a re-selection (the host counter); selection = top ceil(topk * C) squared column norms of the
     step's clipped gradient."""
     topk, interval, update, warm = zf
     master = model
@@ -106,14 +106,14 @@ def reference(model: nn.Module, dtype: torch.dtype, clip: float, accum: int, ste
     state = {"slow": 0, "fast": 0, "count": 0, "zf": 0}
     important: list[torch.Tensor] = []
 
-    def adamw(masks: list[torch.Tensor], grads: list[torch.Tensor], t: int) -> None:
+    def adamw(masks: list[torch.Tensor], grads: list[torch.Tensor], t: int, lr: float = LR) -> None:
         with torch.no_grad():
             for p, g, mm, vv, mask in zip(ps, grads, m, v, masks, strict=True):
-                p[mask] = p[mask] * (1 - LR * WD)
+                p[mask] = p[mask] * (1 - lr * WD)
                 mm[mask] = B1 * mm[mask] + (1 - B1) * g[mask]
                 vv[mask] = B2 * vv[mask] + (1 - B2) * g[mask] * g[mask]
                 denom = vv[mask].sqrt() / math.sqrt(1 - B2**t) + EPS
-                p[mask] = p[mask] - LR / (1 - B1**t) * mm[mask] / denom
+                p[mask] = p[mask] - lr / (1 - B1**t) * mm[mask] / denom
 
     def select(grads: list[torch.Tensor]) -> list[torch.Tensor]:
         out = []
@@ -132,7 +132,8 @@ def reference(model: nn.Module, dtype: torch.dtype, clip: float, accum: int, ste
         if state["count"] == 0:
             return
         state["slow"] += 1
-        adamw([~s for s in important], [a / state["count"] for a in acc], state["slow"])
+        k = state["count"]
+        adamw([~s for s in important], [a / k for a in acc], state["slow"], lr=LR * k)
         for a in acc:
             a.zero_()
         state["count"] = 0

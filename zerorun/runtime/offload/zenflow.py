@@ -14,8 +14,10 @@ plain CPU offload):
   compact device copies of their master, m and v, with a step counter of their own; the 16-bit
   parameter gets them at once.
 * the other elements' gradients are summed on the device; every ``update_interval`` steps (and
-  at a re-selection) their mean is copied to the host and the CPU steps them with Adam(W) (one
-  step, the host states' own counter), then they are copied up as with plain offload.
+  at a re-selection) their mean over the k steps summed is copied to the host and the CPU steps
+  them with Adam(W) -- one step, the host states' own counter, learning rate k times the
+  group's (so that on average they move as fast as with a step each: Adam's step size does not
+  grow with the gradient) -- then they are copied up as with plain offload.
 * at a re-selection, the compact device states go back into the host arrays and the new
   important ones are gathered from them (an element keeps its m and v; the bias correction
   uses the counter of the side it is on).
@@ -27,6 +29,7 @@ Checkpoints hold the masters and Adam states after folding the device part back
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 from collections.abc import Sequence
@@ -211,9 +214,10 @@ class ZenFlowPlacement(CpuPlacement):
         self._count += 1
 
     def _cpu_update(self, optimizer: Optimizer, *, push: bool) -> None:
-        """The unimportant elements: the mean of the summed gradients, one CPU Adam step (the
-        important ones are stepped too, harmlessly: their host values are overwritten from the
-        device part when it folds back, and never read before)."""
+        """The unimportant elements: the mean of the summed gradients, one CPU Adam step at k
+        times the learning rate for k summed steps (the important ones are stepped too,
+        harmlessly: their host values are overwritten from the device part when it folds back,
+        and never read before)."""
         if self._count == 0:
             return
         self._ready = self.copier.ready()
@@ -224,6 +228,8 @@ class ZenFlowPlacement(CpuPlacement):
             self._copy_down(i, acc)
         self.copier.fence(self._last_down)
         job = self._prepare(optimizer, True)
+        k = self._count
+        job.hypers = [None if h is None else dataclasses.replace(h, lr=h.lr * k) for h in job.hypers]
         self.runner.run(lambda: self._update(job, push=push))
         for acc in self._acc:
             if acc is not None:
