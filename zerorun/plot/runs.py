@@ -5,7 +5,9 @@ Two kinds of run directory are understood:
 * the launcher's `--log_dir` (`events.jsonl`): rank 0's `status` events (loss, lr, samples/s,
   tokens/s by optimizer step; runtime/observe/report.py), every rank's `memory` events (GPU
   allocated or host RSS over time, and the runtime's per-component breakdown), every rank's
-  wall-clock breakdown (`timers_ms`) at its last report;
+  wall-clock breakdown (`timers_ms`) at its last report. With `--max_restarts` each attempt has
+  its own `attemptN/events.jsonl` (launch/restart.py): they are read in order as one run (a
+  resumed attempt's steps replace the same steps of the one before);
 * a `csv_monitor` directory (`output_path` or `output_path/job_name`): DeepSpeed's
   `Train_Samples_*.csv` files, x = samples seen.
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import csv
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -54,7 +57,18 @@ def _flat_breakdown(b: dict[str, Any]) -> dict[str, float]:
     return out
 
 
-def _from_events(path: Path) -> RunSeries:
+def _lines(paths: list[Path]) -> Iterator[str]:
+    for path in paths:
+        yield from path.read_text(encoding="utf-8", errors="replace").splitlines()
+
+
+def _attempts(d: Path) -> list[Path]:
+    """`attemptN/events.jsonl` of a log dir written with --max_restarts, in attempt order."""
+    found = [(int(p.parent.name[7:]), p) for p in d.glob("attempt*/events.jsonl") if p.parent.name[7:].isdigit()]
+    return [p for _, p in sorted(found)]
+
+
+def _from_events(paths: list[Path]) -> RunSeries:
     run = RunSeries(source="log_dir", x_label="optimizer step")
     loss: dict[float, float] = {}
     lr: dict[float, float] = {}
@@ -63,7 +77,7 @@ def _from_events(path: Path) -> RunSeries:
     gpu: dict[int, list[tuple[float, float]]] = {}
     rss: dict[int, list[tuple[float, float]]] = {}
     t0: float | None = None
-    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+    for line in _lines(paths):
         try:
             ev = json.loads(line)
         except ValueError:
@@ -139,7 +153,9 @@ def read_run(path: str | Path) -> RunSeries:
     if not d.is_dir():
         raise ZerorunError(f"{d}: no such directory (give the launcher's --log_dir or a csv_monitor output path)")
     if (d / "events.jsonl").is_file():
-        return _from_events(d / "events.jsonl")
+        return _from_events([d / "events.jsonl"])
+    if _attempts(d):
+        return _from_events(_attempts(d))
     if any(d.glob("Train_Samples_*.csv")):
         return _from_csv(d)
     subdirs = [s for s in sorted(d.iterdir()) if s.is_dir() and any(s.glob("Train_Samples_*.csv"))]
