@@ -63,3 +63,30 @@ def test_rank_messages_round_trip_and_malformed_ones_raise() -> None:
     ):
         with pytest.raises((KeyError, TypeError, ValueError)):
             wire.message_from_wire(bad)
+
+
+def test_the_preflight_exchange() -> None:
+    """One preflight for every transport: the fields sent, the hello awaited, its problems."""
+    import queue
+    import time
+
+    from zerorun._version import __version__
+
+    fields = wire.preflight_fields(check_port=29500, pick_port=False, script="train.py")
+    assert fields == {"version": __version__, "protocol": wire.PROTOCOL_VERSION, "check_port": 29500,
+                      "pick_port": False, "script": "train.py"}  # fmt: skip
+    q: queue.Queue[dict | None] = queue.Queue()
+    hello = {"t": "hello", "version": "1.0", "protocol": wire.PROTOCOL_VERSION, "port": 1}
+    for m in ({"t": "hb"}, hello):
+        q.put(m)
+    assert wire.wait_hello(q, time.monotonic() + 5) == hello
+    q.put(None)
+    assert wire.wait_hello(q, time.monotonic() + 5) is None  # closed
+    t0 = time.monotonic()
+    assert wire.wait_hello(q, t0 + 0.1) is None and time.monotonic() - t0 >= 0.1  # silent
+    assert wire.hello_problem(hello, version="1.0", python="py") is None
+    assert wire.hello_problem(hello | {"error": "port busy"}, version="1.0", python="py") == ("preflight", "port busy")
+    old = wire.hello_problem(hello, version="2.0", python="/py", hint=" (or --remote_python)")
+    assert old == ("version", "/py there imports zerorun 1.0, this launcher is zerorun 2.0. "
+                   "Install the same version on every node (or --remote_python).")  # fmt: skip
+    assert wire.hello_problem(hello | {"protocol": 0}, version="1.0", python="py") is not None

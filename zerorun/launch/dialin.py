@@ -215,35 +215,23 @@ def prepare_dialed(
         for i, name in enumerate(names):
             links[name].send(
                 "preflight",
-                version=__version__,
-                protocol=wire.PROTOCOL_VERSION,
-                check_port=options.master_port if i == 0 else None,
-                pick_port=i == 0 and options.master_port is None,
-                script=plan.target.script,
+                **wire.preflight_fields(
+                    check_port=options.master_port if i == 0 else None,
+                    pick_port=i == 0 and options.master_port is None,
+                    script=plan.target.script,
+                ),
             )
         hellos: dict[str, dict[str, Any]] = {}
         errors: dict[str, str] = {}
         hello_deadline = time.monotonic() + 30
         for name in names:
-            msg: dict[str, Any] | None = None
-            while True:
-                try:
-                    msg = links[name].messages.get(timeout=max(0.0, hello_deadline - time.monotonic()))
-                except queue.Empty:
-                    msg = None
-                    break
-                if msg is None or msg.get("t") == "hello":
-                    break
+            msg = wire.wait_hello(links[name].messages, hello_deadline)
+            problem = None if msg is None else wire.hello_problem(msg, version=__version__, python=python)
             if msg is None:
                 tail = "; ".join(links[name].stderr_tail[-3:] or step.tail[-3:])
                 errors[name] = f"{name}: the node agent did not answer the preflight" + (f" ({tail})" if tail else "")
-            elif msg.get("version") != __version__ or msg.get("protocol") != wire.PROTOCOL_VERSION:
-                errors[name] = (
-                    f"{name}: {python} there imports zerorun {msg.get('version')}, this launcher is zerorun "
-                    f"{__version__}. Install the same version on every node."
-                )
-            elif msg.get("error"):
-                errors[name] = f"{name}: {msg['error']}"
+            elif problem is not None:
+                errors[name] = f"{name}: {problem[1]}"
             else:
                 hellos[name] = msg
         if errors:

@@ -11,7 +11,6 @@ cover the slots, the master port is free on the master (or picked there).
 from __future__ import annotations
 
 import os
-import queue
 import sys
 import threading
 import time
@@ -87,11 +86,11 @@ def preflight(
             is_master = alias == master
             ch.send(
                 "preflight",
-                version=__version__,
-                protocol=wire.PROTOCOL_VERSION,
-                check_port=master_port if is_master else None,
-                pick_port=is_master and master_port is None,
-                script=script,
+                **wire.preflight_fields(
+                    check_port=master_port if is_master else None,
+                    pick_port=is_master and master_port is None,
+                    script=script,
+                ),
             )
         hellos, errors = _collect_hellos(channels, python, cwd, __version__, options.preflight_timeout_s)
         if errors:
@@ -132,28 +131,17 @@ def _collect_hellos(
     deadline = time.monotonic() + timeout
     for alias, ch in channels.items():
         where = ch.target.display
-        msg: dict[str, Any] | None = None
-        while True:
-            try:
-                msg = ch.messages.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                errors[alias] = f"{where}: the node agent did not answer within {timeout:g} s."
-                break
-            if msg is None or msg.get("t") == "hello":
-                break
-        if alias in errors:
-            continue
+        msg = wire.wait_hello(ch.messages, deadline)
         if msg is None:
-            errors[alias] = _explain_early_exit(ch, python, cwd)
+            if time.monotonic() >= deadline:
+                errors[alias] = f"{where}: the node agent did not answer within {timeout:g} s."
+            else:
+                errors[alias] = _explain_early_exit(ch, python, cwd)
             continue
-        if msg.get("version") != version or msg.get("protocol") != wire.PROTOCOL_VERSION:
-            errors[alias] = (
-                f"{where}: {python} there imports zerorun {msg.get('version')}, this launcher is "
-                f"zerorun {version}. Install the same version on every node (or point "
-                "--remote_python at an environment that has it)."
-            )
-        elif msg.get("error"):
-            errors[alias] = f"{where}: {msg['error']}"
+        hint = " (or point --remote_python at an environment that has it)"
+        problem = wire.hello_problem(msg, version=version, python=python, hint=hint)
+        if problem is not None:
+            errors[alias] = f"{where}: {problem[1]}"
         else:
             hellos[alias] = msg
     return hellos, errors

@@ -185,22 +185,19 @@ def prepare(
         if failures:
             raise LaunchError(failure_table(failures, names=names) + "\nNothing was started.")
         for r, link in links.items():
-            link.send("preflight", version=__version__, protocol=wire.PROTOCOL_VERSION,
-                      check_port=None, pick_port=r == 0, script=None)
+            link.send("preflight", **wire.preflight_fields(check_port=None, pick_port=r == 0, script=None))
         deadline = time.monotonic() + preflight_timeout_s
         hellos: dict[int, dict[str, Any]] = {}
         from zerorun.launch.fanout import Failed
 
         bad: dict[int, Failed[int]] = {}
         for r, link in links.items():
-            msg = _next_hello(link, deadline)
+            msg = wire.wait_hello(link.messages, deadline)
+            problem = None if msg is None else wire.hello_problem(msg, version=__version__, python=sys.executable)
             if msg is None:
                 bad[r] = Failed(r, "timeout", f"{names[r]}: the node agent did not answer the preflight", 1)
-            elif msg.get("version") != __version__ or msg.get("protocol") != wire.PROTOCOL_VERSION:
-                bad[r] = Failed(r, "version", f"{names[r]}: zerorun {msg.get('version')} there, "
-                                f"{__version__} here", 1)
-            elif msg.get("error"):
-                bad[r] = Failed(r, "preflight", f"{names[r]}: {msg['error']}", 1)
+            elif problem is not None:
+                bad[r] = Failed(r, problem[0], f"{names[r]}: {problem[1]}", 1)
             else:
                 hellos[r] = msg
         if bad:
@@ -261,18 +258,6 @@ def prepare_job(plan: LaunchPlan, options: Any) -> tuple[LaunchPlan, list[LinkRu
         raise
     count = [len(runners)]
     return plan, [_SimRunner(r, cluster, count) for r in runners]
-
-
-def _next_hello(link: Link, deadline: float) -> dict[str, Any] | None:
-    import queue
-
-    while True:
-        try:
-            msg = link.messages.get(timeout=max(0.0, deadline - time.monotonic()))
-        except queue.Empty:
-            return None
-        if msg is None or msg.get("t") == "hello":
-            return msg
 
 
 def _last_json(out: bytes | None) -> dict[str, Any] | None:

@@ -30,8 +30,10 @@ agent -> launcher:
 from __future__ import annotations
 
 import json
+import queue
+import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 from zerorun.launch.messages import RankEvent, RankExit, RankOutput, RankStarted
 
@@ -41,6 +43,9 @@ __all__ = [
     "decode",
     "message_from_wire",
     "message_to_wire",
+    "preflight_fields",
+    "wait_hello",
+    "hello_problem",
     "plan_to_dict",
     "plan_from_dict",
 ]
@@ -63,6 +68,52 @@ def decode(line: bytes | str) -> dict[str, Any] | None:
     if not isinstance(msg, dict) or not isinstance(msg.get("t"), str):
         return None
     return msg
+
+
+# --- the preflight ---------------------------------------------------------------------------
+# One exchange for every transport that starts agents (SSH, srun/mpirun dial-in, the simulation).
+
+
+def preflight_fields(*, check_port: int | None, pick_port: bool, script: str | None) -> dict[str, Any]:
+    """The fields of a `preflight` message (this launcher's version and protocol included)."""
+    from zerorun._version import __version__
+
+    return {
+        "version": __version__,
+        "protocol": PROTOCOL_VERSION,
+        "check_port": check_port,
+        "pick_port": pick_port,
+        "script": script,
+    }
+
+
+def wait_hello(messages: queue.Queue[dict[str, Any] | None], deadline: float) -> dict[str, Any] | None:
+    """The agent's `hello` from its message queue (anything before it is skipped), or None when
+    the channel closed first or `deadline` (time.monotonic) passed: compare the clock with the
+    deadline to tell which."""
+    while True:
+        try:
+            msg = messages.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            return None
+        if msg is None or msg.get("t") == "hello":
+            return msg
+
+
+def hello_problem(
+    msg: Mapping[str, Any], *, version: str, python: str, hint: str = ""
+) -> tuple[Literal["version", "preflight"], str] | None:
+    """What is wrong with an agent's `hello`, as (kind, text): "version" (another zerorun or
+    protocol there than this launcher's `version`; `hint` follows the advice) or "preflight"
+    (the node's own error: port busy, script missing). None when it is good."""
+    if msg.get("version") != version or msg.get("protocol") != PROTOCOL_VERSION:
+        return "version", (
+            f"{python} there imports zerorun {msg.get('version')}, this launcher is zerorun {version}. "
+            f"Install the same version on every node{hint}."
+        )
+    if msg.get("error"):
+        return "preflight", str(msg["error"])
+    return None
 
 
 # --- a rank's messages on the wire -----------------------------------------------------------
