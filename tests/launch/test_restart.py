@@ -364,3 +364,29 @@ def test_sigterm_with_save_on_preemption_saves_exits_75_and_resumes(tmp_path: Pa
     assert sorted(got) == [s for s in range(1, STEPS + 1) if s != step]
     assert all(got[s] == ref[s] for s in got)
     _close(_masters(out), _masters(reference))
+
+
+def test_a_hostfile_and_include_from_the_config_are_what_failed_nodes_leave(tmp_path: Path) -> None:
+    """`launcher: {hostfile, include, exclude_failed_nodes}` in the config alone (before: the
+    loop saw no hostfile and refused --exclude_failed_nodes, and it would have put the failed
+    node in an `exclude` beside the config's `include`)."""
+    (tmp_path / "hosts").write_text("n1 slots=1\nn2 slots=1\nn3 slots=1\n")
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({
+        "train_micro_batch_size_per_gpu": 1,
+        "launcher": {"hostfile": "hosts", "include": "n1@n2", "exclude_failed_nodes": True, "max_restarts": 1},
+    }))  # fmt: skip
+    seen: list[LaunchOptions] = []
+    results = [
+        _on_hosts("node_lost", 255, [("n1", "stopped", -15), ("n2", "lost", None)]),
+        _on_hosts("ok", 0, [("n1", "exited", 0)]),
+    ]
+
+    def fake_run_job(options: LaunchOptions) -> JobResult:
+        seen.append(options)
+        return results[len(seen) - 1]
+
+    opts = LaunchOptions(target=Target(script="t.py"), config=str(config))
+    assert run_with_restarts(opts, run_job=fake_run_job, port_is_free=lambda _p: True) == 0
+    assert [o.include for o in seen] == ["n1@n2", "n1"] and [o.exclude for o in seen] == [None, None]
+    assert seen[1].hostfile == str(tmp_path / "hosts")

@@ -155,12 +155,19 @@ def _say(text: str) -> None:
     sys.stderr.flush()
 
 
-_FAULT_KEYS = ("max_restarts", "restart_on_any_failure", "log_dir", "exclude_failed_nodes", "min_nodes")
+# What the loop itself reads: the restart settings, and what it changes or checks between
+# attempts (the node selection, the master port, the transport). Merging these here changes
+# nothing for run_job, which merges the same section under the same values again.
+_LOOP_KEYS = (
+    "max_restarts", "restart_on_any_failure", "log_dir", "exclude_failed_nodes", "min_nodes",
+    "hostfile", "include", "exclude", "master_port", "launcher",
+)  # fmt: skip
 
 
 def with_config_section(options: LaunchOptions) -> LaunchOptions:
-    """`options` with the restart settings (and the log dir) of the config's `launcher:`
-    section filled in where the command line left them out; the rest is run_job's business."""
+    """`options` with the settings of the config's `launcher:` section that the restart loop
+    reads filled in where the command line left them out (a hostfile or an `include` given only
+    in the config must be the one failed nodes are left out of); the rest is run_job's business."""
     from zerorun.launch.target import find_config_argument
 
     path = options.config
@@ -172,7 +179,7 @@ def with_config_section(options: LaunchOptions) -> LaunchOptions:
     from zerorun.config import load_config
 
     section = load_config(path).config.launcher.model_dump(exclude_unset=True)
-    subset = {k: v for k, v in section.items() if k in _FAULT_KEYS}
+    subset = {k: v for k, v in section.items() if k in _LOOP_KEYS}
     return options.merged(subset, base_dir=Path(path).resolve().parent)
 
 
@@ -219,7 +226,7 @@ def run_with_restarts(
         from zerorun.launch.job import run_job as run_job_default
 
         run_job = run_job_default
-        options = with_config_section(options)
+    options = with_config_section(options)
     if port_is_free is None:
         from zerorun.launch.local import port_is_free as port_is_free_default
 
