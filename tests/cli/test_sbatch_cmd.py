@@ -50,8 +50,17 @@ def test_our_options_stop_at_the_command() -> None:
         (["-N", "2"], "the zerorun command"),
         (["-N", "2", "--time"], "needs a value"),
         (["-N", "2", "--hostfile", "h", "train.py"], "leave out"),
+        (["-N", "2", "--launcher=ssh", "train.py"], "leave out"),
+        (["-N", "2", "--node_rank", "1", "train.py"], "leave out"),
     ],
 )
 def test_errors(argv: list[str], message: str) -> None:
     with pytest.raises(LaunchError, match=message):
         parse_args(argv)
+
+
+def test_the_scripts_own_arguments_are_not_ours() -> None:
+    """A script that takes its own --hostfile or --launcher is fine: only the launch options
+    before the script are checked."""
+    opts = parse_args(["-N", "2", "--num_gpus", "8", "train.py", "--hostfile", "h", "--launcher=x"])
+    assert opts.command == ["--num_gpus", "8", "train.py", "--hostfile", "h", "--launcher=x"]

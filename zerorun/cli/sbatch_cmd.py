@@ -4,7 +4,8 @@ script that runs the same zerorun command inside the allocation, and submit it.
 The options below are this command's (the allocation); everything from the first other
 argument on is the zerorun command line, verbatim. Inside the allocation zerorun picks the
 slurm launcher by itself (docs/clusters.md). `--dry-run` prints the script and submits nothing.
-No torch, no typer: the launch arguments must pass through untouched.
+No torch; typer does not parse this command (the launch arguments pass through untouched; the
+launch command's option table only tells where its script starts).
 """
 
 from __future__ import annotations
@@ -109,12 +110,22 @@ def parse_args(argv: Sequence[str]) -> SbatchOptions:
         raise LaunchError("zerorun sbatch: give the number of nodes with -N/--nodes.")
     if not opts.command:
         raise LaunchError("zerorun sbatch: give the zerorun command to run (SCRIPT [ARGS...]).")
-    if any(a in ("--launcher", "--nnodes", "--node_rank", "--node-rank", "--hostfile") for a in opts.command):
+    if _launcher_options(opts.command) & {"--launcher", "--nnodes", "--node-rank", "--hostfile"}:
         raise LaunchError(
             "zerorun sbatch runs zerorun inside the allocation with the slurm launcher; leave out "
             "--launcher/--nnodes/--node_rank/--hostfile."
         )
     return opts
+
+
+def _launcher_options(command: Sequence[str]) -> set[str]:
+    """The launch options of a zerorun command line (`--name` or `--name=value`, underscores
+    as hyphens), up to its script: the script's own arguments may be called anything."""
+    from zerorun.cli.launch_cmd import normalize_argv
+
+    argv = normalize_argv(command)
+    ours = argv[: argv.index("--")] if "--" in argv else argv
+    return {a.split("=", 1)[0] for a in ours if a.startswith("--")}
 
 
 def batch_script(opts: SbatchOptions, *, python: str, cwd: str) -> str:
