@@ -113,3 +113,28 @@ def test_a_link_runner_never_started_closes_at_once() -> None:
     finally:
         hub.close()
         theirs.close()
+
+
+def test_sigterm_with_save_on_preemption_names_its_own_grace_when_it_kills() -> None:
+    """SIGTERM with --save_on_preemption: the ranks alone get SIGTERM (not their trees); ranks
+    that do not exit within the preemption grace are killed, and the kill names that grace
+    (before: "grace period of 5 s", the other knob)."""
+
+    class Deaf(ScriptedRunner):
+        def signal(self, sig: int, *, tree: bool = True) -> None:
+            self.signals.append((sig, tree))  # the rank keeps running (saving forever)
+
+        def kill(self) -> None:
+            super().kill()
+            for r in self.node.ranks:
+                self.sink(RankExit(r.rank, -9))
+
+    plan = plan_for([Host("a", (0,))])
+    runner = Deaf(plan.nodes[0], [RankStarted(0, 100)])
+    err = io.StringIO()
+    sup = Supervisor(plan, [runner], PlainConsole(out=io.StringIO(), err=err), grace_period=5.0, preemption_grace=0.3)
+    sup._pending_signal = signal.SIGTERM  # as the handler sets it
+    result = sup.run()
+    assert runner.signals == [(signal.SIGTERM, False)] and runner.killed
+    assert result.exit_code == 128 + signal.SIGTERM and result.reason == "interrupted"
+    assert "preemption grace of 0.3 s is over" in err.getvalue() and "grace period of 5" not in err.getvalue()

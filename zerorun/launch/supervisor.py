@@ -105,6 +105,7 @@ class Supervisor:
         self._signals_seen = 0
         self._stopping = False
         self._stop_deadline: float | None = None
+        self._stop_why = ""  # which grace the deadline is, for the kill message
         self._killed_at: float | None = None
         self._reason: Literal["ok", "rank_failed", "interrupted", "hang", "node_lost", "preempted"] = "ok"
         self._exit_code = 0
@@ -175,7 +176,7 @@ class Supervisor:
                 self._on_launcher_signal(sig)
             if self._stopping and self._killed_at is None and self._stop_deadline is not None:
                 if now >= self._stop_deadline:
-                    self._kill_all(f"grace period of {self.grace_period:g} s is over")
+                    self._kill_all(self._stop_why)
             if self._killed_at is not None and now - self._killed_at > _AFTER_KILL_WAIT_S:
                 for s in self._live():
                     s.state = "lost"
@@ -324,6 +325,7 @@ class Supervisor:
             return
         self._stopping = True
         self._stop_deadline = time.monotonic() + self.grace_period
+        self._stop_why = f"grace period of {self.grace_period:g} s is over"
         for runner in self.runners:
             _quietly(runner.signal, sig, tree=True)
 
@@ -371,6 +373,7 @@ class Supervisor:
             )
             self._stopping = True
             self._stop_deadline = time.monotonic() + self.preemption_grace
+            self._stop_why = f"preemption grace of {self.preemption_grace:g} s is over (--preemption_grace)"
             for runner in self.runners:
                 # The rank alone: its DataLoader workers and other children must live until it saved.
                 _quietly(runner.signal, sig, tree=False)
