@@ -30,6 +30,8 @@ from typing import Any
 
 import torch
 
+from zerorun.channel import events
+
 from . import atomic
 from .async_save import AsyncSaver, side_group
 from .engine_view import EngineCheckpointView
@@ -42,14 +44,6 @@ __all__ = ["EngineCheckpointing", "prune_checkpoints"]
 log = logging.getLogger("zerorun.checkpoint")
 
 _STEP_TAG = re.compile(r"^global_step(\d+)$")
-
-
-def _events() -> Any:
-    try:
-        from zerorun.channel import events
-    except ImportError:
-        return None
-    return events
 
 
 def _say(rank: int, text: str) -> None:
@@ -163,9 +157,8 @@ class EngineCheckpointing:
         skipped = getattr(loader, "resume_skip", 0)
         where = f"; the data loader skips the {skipped} batch(es) of its pass already trained on" if skipped else ""
         _say(e.comm.rank, f"resumed from {path} at step {e.global_steps}{where}")
-        ev = _events()
-        if ev is not None and ev.connected():
-            ev.emit("resumed", path=str(path), step=int(e.global_steps))
+        if events.connected():
+            events.emit("resumed", path=str(path), step=int(e.global_steps))
         return path
 
     # -- saves --------------------------------------------------------------------------------
@@ -201,9 +194,8 @@ class EngineCheckpointing:
             save_checkpoint(view, save_dir, tag)
             prune()
             self.last_save = {"tag": tag, "async": False}
-        ev = _events()
-        if ev is not None and ev.connected():
-            ev.emit("checkpoint", dir=str(save_dir), **self.last_save)
+        if events.connected():
+            events.emit("checkpoint", dir=str(save_dir), **self.last_save)
         return tag
 
     def wait(self) -> None:
@@ -216,9 +208,8 @@ class EngineCheckpointing:
         tag = self.save(asynchronous=False)
         where = f"{self.options.save_dir}/{tag}"
         _say(e.comm.rank, f"preempted; checkpoint {tag} saved ({where}); exiting with code {PREEMPTED_EXIT_CODE}")
-        ev = _events()
-        if ev is not None and ev.connected():
-            ev.emit("preempted", tag=tag, dir=str(self.options.save_dir), step=int(e.global_steps))
+        if events.connected():
+            events.emit("preempted", tag=tag, dir=str(self.options.save_dir), step=int(e.global_steps))
         raise SystemExit(PREEMPTED_EXIT_CODE)
 
     def close(self) -> None:

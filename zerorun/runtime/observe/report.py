@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from zerorun.channel import events
 from zerorun.runtime.activations import take_profile as take_checkpoint_profile
 from zerorun.runtime.observe.flops import FlopsProfiler
 from zerorun.runtime.observe.monitors import Event, MonitorSet
@@ -51,14 +52,6 @@ TIMER_TAGS = {
     "bwd_allreduce": "Train/Samples/elapsed_time_ms_backward_allreduce",
     "step": "Train/Samples/elapsed_time_ms_step",
 }
-
-
-def _events() -> Any:
-    try:
-        from zerorun.channel import events
-    except ImportError:  # the launcher's module is optional for the runtime
-        return None
-    return events
 
 
 def count_tokens(args: Sequence[Any], kwargs: Mapping[str, Any]) -> int:
@@ -224,8 +217,7 @@ class StepReporter:
         now = time.monotonic()
         if now - self._last_light < 1.0:
             return
-        events = _events()
-        if events is None or not events.connected():
+        if not events.connected():
             return
         self._last_light = now
         value = None if loss is None else float(loss.item())  # host sync, at most once a second
@@ -271,8 +263,7 @@ class StepReporter:
         self.last_report = report
         if show and self.rank == 0:
             self._print(report, moms)
-        events = _events()
-        if show and events is not None and events.connected():
+        if show and events.connected():
             events.emit("status", **report)
         if self.monitors.enabled:
             self.monitors.write_events(self._monitor_events(records, losses, norms, timers, samples_per_sec, tokens_per_sec))
