@@ -57,6 +57,7 @@ class Link:
         self._handler_lock = threading.Lock()
         self._send_lock = threading.Lock()
         self._buf = b""
+        self._hub: LinkHub | None = None  # the hub reading this link (set by LinkHub.add)
 
     def send(self, kind: str, **fields: Any) -> bool:
         return self.send_bytes(wire.encode(kind, **fields))
@@ -93,6 +94,10 @@ class Link:
             if self.closed.is_set():
                 return
             self.closed.set()
+        if self._hub is not None:
+            # Before the socket closes: the next accepted socket may get the same fd number,
+            # which the hub's selector would otherwise still hold for this link.
+            self._hub.forget(self)
         try:
             self.sock.shutdown(socket.SHUT_RDWR)
         except OSError:
@@ -143,8 +148,17 @@ class LinkHub:
         self._beater.start()
 
     def add(self, link: Link) -> None:
+        link._hub = self  # noqa: SLF001 - the link forgets itself here when it closes
         self._sel.register(link.sock, selectors.EVENT_READ, link)
         self._wake_w.send(b"x")  # epoll picks it up anyway; this keeps the loop honest
+
+    def forget(self, link: Link) -> None:
+        """Stop reading `link` (it is closing; its end of stream is delivered by the reader
+        only if it saw it first)."""
+        try:
+            self._sel.unregister(link.sock)
+        except (KeyError, ValueError, OSError):
+            pass
 
     def beat(self, runner: LinkRunner) -> None:
         with self._beat_lock:
