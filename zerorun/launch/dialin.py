@@ -37,6 +37,8 @@ __all__ = ["local_addresses", "DialedStep", "DialedRunner", "prepare_dialed", "S
 
 # How long the agents get to dial in after the command started (node start-up, a busy scheduler).
 START_TIMEOUT_S = 60.0
+# How long a connection gets to send its `dial` message before it is dropped.
+_HELLO_WAIT_S = 10.0
 
 
 def local_addresses() -> list[str]:
@@ -178,6 +180,9 @@ def prepare_dialed(
     hub = LinkHub()
     step = DialedStep(argv, {**env, "ZERORUN_AGENT_DIAL": target, "ZERORUN_AGENT_TOKEN": token}, cwd)
     links: dict[str, Link] = {}
+    # Connections accepted but not yet judged, with when they came: a stranger that says
+    # nothing (a port scanner) must not hold up the agents behind it.
+    pending: list[tuple[Link, float]] = []
     try:
         timeout = env_number(
             ("ZERORUN_AGENT_START_TIMEOUT", "ZERORUN_SLURM_START_TIMEOUT"), START_TIMEOUT_S, minimum=1.0, environ=env
@@ -189,27 +194,39 @@ def prepare_dialed(
                 raise LaunchError(
                     f"the node agents did not start ({len(links)} of {len(names)} dialed in): {step.describe_exit()}"
                 )
-            link = tcp_link.accept(listener, hub, min(deadline, time.monotonic() + 0.5), name="agent")
-            if link is None:
-                if time.monotonic() >= deadline:
-                    missing = [n for n in names if n not in links]
-                    raise LaunchError(
-                        f"the node agents of {', '.join(missing)} did not dial in to this launcher within "
-                        f"{timeout:g} s (port {port} on {', '.join(addresses)}); a firewall between the nodes and "
-                        "this machine? Set ZERORUN_LAUNCHER_ADDR to an address they can reach."
-                    )
-                continue
-            try:
-                hello = link.messages.get(timeout=10)
-            except queue.Empty:
-                hello = None
-            name = node_of(str(hello.get("node"))) if hello and hello.get("t") == "dial" else None
-            if hello is None or not _token_matches(hello.get("token"), token) or name not in names or name in links:
-                link.close()  # not one of ours (or a duplicate): ignore
-                continue
-            assert name is not None
-            link.name = link.display = name
-            links[name] = link
+            now = time.monotonic()
+            for entry in list(pending):
+                link, since = entry
+                try:
+                    hello = link.messages.get_nowait()
+                except queue.Empty:
+                    if now - since > _HELLO_WAIT_S:
+                        pending.remove(entry)
+                        link.close()
+                    continue
+                pending.remove(entry)
+                name = node_of(str(hello.get("node"))) if hello and hello.get("t") == "dial" else None
+                if hello is None or not _token_matches(hello.get("token"), token) or name not in names or name in links:
+                    link.close()  # not one of ours (or a duplicate): ignore
+                    continue
+                assert name is not None
+                link.name = link.display = name
+                links[name] = link
+            if len(links) == len(names):
+                break
+            if now >= deadline:
+                missing = [n for n in names if n not in links]
+                raise LaunchError(
+                    f"the node agents of {', '.join(missing)} did not dial in to this launcher within "
+                    f"{timeout:g} s (port {port} on {', '.join(addresses)}); a firewall between the nodes and "
+                    "this machine? Set ZERORUN_LAUNCHER_ADDR to an address they can reach."
+                )
+            link = tcp_link.accept(listener, hub, min(deadline, now + (0.05 if pending else 0.5)), name="agent")
+            if link is not None:
+                pending.append((link, time.monotonic()))
+        for link, _ in pending:
+            link.close()
+        pending.clear()
         listener.close()
 
         for i, name in enumerate(names):
@@ -262,7 +279,7 @@ def prepare_dialed(
         return plan, runners
     except BaseException:
         listener.close()
-        for link in links.values():
+        for link in [*links.values(), *(p[0] for p in pending)]:
             link.close()
         step.stop(grace=2.0)
         hub.close()
