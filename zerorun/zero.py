@@ -64,8 +64,8 @@ class Init:
 
         from zerorun.runtime.collectives import Communicator
         from zerorun.runtime.distributed import init_distributed
-        from zerorun.runtime.stage3.init import InitContext, partition_module
         from zerorun.runtime.stage3.model_io import install_state_dict_hooks
+        from zerorun.runtime.stage3.zero_init import InitContext, partition_module
 
         ctx = init_distributed()
         store = torch.device("cpu") if remote_device in ("cpu", "nvme") else None

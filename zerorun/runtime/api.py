@@ -92,7 +92,7 @@ def build_stage(
 
         if any(hasattr(p, "_zerorun_init") for p in module.parameters()):
             # Built under zerorun.zero.Init (a stage-3 tool): stages 0-2 need whole parameters.
-            from zerorun.runtime.stage3.init import materialize_all
+            from zerorun.runtime.stage3.zero_init import materialize_all
 
             materialize_all(module)
 

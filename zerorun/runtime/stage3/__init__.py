@@ -7,7 +7,7 @@
     hooks.py        forward/backward hooks driving the groups
     stage.py        the Contract 6 stage object
     build.py        build_stage3 (what runtime/api.py calls)
-    init.py         zero.Init: partition while constructing
+    zero_init.py    zero.Init: partition while constructing
     model_io.py     GatheredParameters, state_dict / load_state_dict / safetensors at stage 3
 
 docs/stage3.md describes the design and its costs.

@@ -2,7 +2,7 @@
 the constructor wrapper transformers patches around ``from_pretrained``.
 
 zerorun's ``zero.Init`` partitions each module's parameters when its ``__init__`` returns
-(runtime/stage3/init.py); floating parameters are partitioned in DeepSpeed's dtype (``dtype=``,
+(runtime/stage3/zero_init.py); floating parameters are partitioned in DeepSpeed's dtype (``dtype=``,
 else the config's: bf16 or fp16 when enabled, else fp32). It does not wrap torch's tensor
 constructors as DeepSpeed's does, so buffers keep the dtype they were created in and
 ``zero_wrapper_for_fp_tensor_constructor`` is not called by zerorun. It is here, with DeepSpeed's behaviour, for code that patches it
