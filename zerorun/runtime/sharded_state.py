@@ -31,7 +31,7 @@ __all__ = ["ShardPlacement", "DevicePlacement", "ShardedOptimizerState", "ParamS
 
 class ParamShardStore:
     """Where stage 3 keeps the at-rest shard of each partitioned flat buffer (the parameter
-    placement seam; stage3/store.py: DeviceParamStore, offload/params.py: HostParamStore).
+    placement seam; stage3/param_store.py: DeviceParamStore, offload/params.py: HostParamStore).
     docs/architecture.md, Contract 6 "Stage 3 parameter placement"."""
 
     #: True when ``fetch`` returns the at-rest shard itself (it lives on the training device).

@@ -1,5 +1,5 @@
 """``offload_param`` (stage 3): the at-rest parameter shards on the host (Contract 6's
-``ParamShardStore`` seam, ``runtime/stage3/store.py``).
+``ParamShardStore`` seam, ``runtime/stage3/param_store.py``).
 
 * ``cpu``: each shard is a host tensor (page-locked with ``pin_memory``). ``fetch`` -- called
   when stage 3 issues the group's all-gather, i.e. ahead of use when the group is prefetched --

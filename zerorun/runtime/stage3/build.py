@@ -24,9 +24,9 @@ from zerorun.runtime.stage3.groups import plan_groups
 from zerorun.runtime.stage3.hooks import Stage3Hooks
 from zerorun.runtime.stage3.model_io import install_state_dict_hooks
 from zerorun.runtime.stage3.param_group import ParamGroup
+from zerorun.runtime.stage3.param_store import DeviceParamStore, ParamShardStore
 from zerorun.runtime.stage3.schedule import Schedule
 from zerorun.runtime.stage3.stage import Stage3
-from zerorun.runtime.stage3.store import DeviceParamStore, ParamShardStore
 
 __all__ = ["build_stage3", "full_values"]
 

@@ -3,7 +3,7 @@
 Tensors of a group (words of partition.py: flat buffer, shard):
 
 * **at-rest shard** -- this rank's shard of each flat buffer, held by the ``ParamShardStore``
-  (store.py). The optimizer write-back lands here. Its dtype is ``rest_dtype``: the compute
+  (param_store.py). The optimizer write-back lands here. Its dtype is ``rest_dtype``: the compute
   dtype, or fp32 when the fp32 master shard itself can be the at-rest parameter (masters and
   shards both on the device): then no separate 16-bit shard is kept (ZeRO's 16 bytes per
   parameter / N instead of 18) and the gather casts the shard to the compute dtype on the way
@@ -39,7 +39,7 @@ from torch import nn
 
 from zerorun.runtime.collectives import Communicator, Pending
 from zerorun.runtime.partition import FlatLayout
-from zerorun.runtime.stage3.store import ParamShardStore
+from zerorun.runtime.stage3.param_store import ParamShardStore
 
 __all__ = ["ParamGroup", "RELEASED", "GATHERING", "GATHERED"]
 
