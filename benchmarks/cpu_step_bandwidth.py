@@ -34,7 +34,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 
 # Host memory traffic per element of one exact offloaded step (CPU optimizer, Adam(W), fp32
-# masters and states; runtime/offload/pipeline.py), bytes. The DMA engines' traffic counts too:
+# masters and states; runtime/offload/host_placement.py), bytes. The DMA engines' traffic counts too:
 # it competes with the CPU step for the same memory.
 STEP_BYTES: dict[str, dict[str, Any]] = {
     "gradient_down": {"bytes": 4, "what": "D2H of the fp32 gradient shard into pinned host memory (DMA write)"},

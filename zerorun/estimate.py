@@ -369,7 +369,7 @@ def _pieces(stage: int, bpe: BytesPerElement, opt_dev: Offload, par_dev: Offload
       is no 16-bit copy. The ZeRO paper's model keeps its 2Ψ/N.
     * grads: on the GPU at every stage (full at 0-1, a slice at 2-3), alive from the step's
       first gradient to the optimizer step. The CPU optimizer (offload_optimizer) steps from an
-      fp32 host copy of each reduced slice (runtime/offload/pipeline.py, allocated once and
+      fp32 host copy of each reduced slice (runtime/offload/host_placement.py, allocated once and
       kept), while the GPU keeps its slice until the step.
     * master, optimizer_states: on the GPU, or with the optimizer on the host/NVMe. fp32
       training keeps no master on the GPU (the parameter shard is the master) but an offloaded

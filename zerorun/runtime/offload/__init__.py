@@ -6,17 +6,17 @@ calls ``placement_for(settings, device)`` when ``offload_optimizer`` or ``offloa
 and how the optimizer step runs; at stage 3 its ``param_store`` (when it has one) keeps the
 at-rest parameter shards on the host. See docs/offload.md.
 
-    options.py   the config keys, resolved once (OffloadOptions)
-    host.py      host buffers (pinned or not), device<->host copies on side streams, tiles
-    adam.py      the fused CPU Adam/AdamW update of one tile
-    runner.py    the worker thread the CPU step runs on (its own thread count)
-    pipeline.py  HostPlacement: D2H of gradients | tiled CPU step | H2D of parameters
-    dpu.py       the optional one-step delayed parameter update
-    cpu.py       masters and states in host memory
-    nvme.py      masters and states in files, stepped in tiles with read-ahead
-    twinflow.py  offload_optimizer.ratio: which masters stay on the device
-    zenflow.py   zero_optimization.zenflow: selective updates (important columns on the device)
-    params.py    stage 3 parameter shards at rest on the host (ParamShardStore)
+    options.py         the config keys, resolved once (OffloadOptions)
+    host.py            host buffers (pinned or not), device<->host copies on side streams, tiles
+    adam.py            the fused CPU Adam/AdamW update of one tile
+    runner.py          the worker thread the CPU step runs on (its own thread count)
+    host_placement.py  HostPlacement: D2H of gradients | tiled CPU step | H2D of parameters
+    dpu.py             the optional one-step delayed parameter update
+    cpu.py             masters and states in host memory
+    nvme.py            masters and states in files, stepped in tiles with read-ahead
+    twinflow.py        offload_optimizer.ratio: which masters stay on the device
+    zenflow.py         zero_optimization.zenflow: selective updates (important columns on the device)
+    params.py          stage 3 parameter shards at rest on the host (ParamShardStore)
 """
 
 from __future__ import annotations

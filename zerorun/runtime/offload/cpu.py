@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from zerorun.runtime.offload.host import host_empty
-from zerorun.runtime.offload.pipeline import HostPlacement, StepJob, TileView
+from zerorun.runtime.offload.host_placement import HostPlacement, StepJob, TileView
 
 __all__ = ["CpuPlacement"]
 

@@ -6,7 +6,7 @@ exits). The step goes through them in tiles of ``sub_group_size`` elements (roun
 the 4 KiB direct-I/O granule): ``buffer_count`` buffer sets (master + states of one tile each)
 rotate so that the reads of the next ``buffer_count - 1`` tiles and the write of the previous one
 run on I/O threads while the current tile is stepped. Host memory for that: ``buffer_count x
-tile x 12`` bytes (Adam), plus the pipeline's gradient and staging buffers (pipeline.py).
+tile x 12`` bytes (Adam), plus the pipeline's gradient and staging buffers (host_placement.py).
 
 I/O is direct (``O_DIRECT``: no page cache, the disk's own speed) where the filesystem allows
 it; where it does not (tmpfs, some container filesystems) it falls back to buffered I/O and says
@@ -39,8 +39,8 @@ from typing import Any
 import torch
 
 from zerorun.errors import RuntimeConfigError
+from zerorun.runtime.offload.host_placement import HostPlacement, StepJob, TileView
 from zerorun.runtime.offload.options import OffloadOptions
-from zerorun.runtime.offload.pipeline import HostPlacement, StepJob, TileView
 
 __all__ = ["NvmePlacement", "TileFiles"]
 
