@@ -67,11 +67,15 @@ def _fail(raw: RawConfig, problems: list[str], cls: type[ConfigError] = ConfigEr
     return err
 
 
-def load_config(source: str | Path | dict[str, Any], world_size: int | None = None) -> LoadedConfig:
+def load_config(
+    source: str | Path | dict[str, Any], world_size: int | None = None, *, resume_from: str | None = None
+) -> LoadedConfig:
     """Read and validate a config: a path (DeepSpeed JSON with comments, or YAML) or a dict.
 
     Raises ConfigError (naming the file, the key with its line, and the fix) for anything no
     run could use. With `world_size`, the batch triad is also resolved and checked.
+    `resume_from`: the launcher's --resume_from, a checkpoint directory besides the config's
+    (in a rank, ZERORUN_RESUME_FROM stands for it).
     Never imports torch.
     """
     raw = read_source(source)
@@ -83,7 +87,7 @@ def load_config(source: str | Path | dict[str, Any], world_size: int | None = No
         config = ZerorunConfig.model_validate(raw.data)
     except ValidationError as err:
         raise _fail(raw, format_validation_error(raw, err, ZerorunConfig)) from None
-    errors, rule_warnings, notices = check_rules(raw, config)
+    errors, rule_warnings, notices = check_rules(raw, config, resume_from=resume_from)
     unsupported = check_runtime_support(raw, config)
     if errors or unsupported:
         raise _fail(raw, errors + unsupported, UnsupportedByRuntime if unsupported else ConfigError)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import difflib
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from pydantic import BaseModel
@@ -469,13 +469,59 @@ def _launcher_rules(raw: RawConfig, config: ZerorunConfig) -> tuple[list[str], l
     return errors, warnings
 
 
-def check_rules(raw: RawConfig, config: ZerorunConfig) -> tuple[list[str], list[str], list[str]]:
-    """-> (errors, warnings, notices) of the rules between keys."""
+# The launcher's --resume_from as the ranks see it (Contract 2; runtime/checkpoint/options.py).
+RESUME_ENV = "ZERORUN_RESUME_FROM"
+
+
+def checkpoint_dir_problems(
+    *,
+    dir: str | None,
+    resume_from: str | None,
+    auto_resume: bool,
+    every_n_steps: int,
+    save_on_preemption: bool,
+    where: Callable[[Path_], str] = dotted,
+) -> list[str]:
+    """What asks for a checkpoint directory when there is none (neither `zerorun.checkpoint.dir`
+    nor a --resume_from / `launcher.resume_from`). The one source of this message: the config's
+    rules, the launcher's check of its flags and the runtime's last check all call it."""
+    if dir or resume_from:
+        return []
+    return [
+        f"{where(path)}{suffix} needs a checkpoint directory: set zerorun.checkpoint.dir in the config "
+        "(or launch with --resume_from DIR)"
+        for path, suffix, needed in (
+            (("zerorun", "checkpoint", "auto_resume"), "", auto_resume),
+            (("zerorun", "checkpoint", "every_n_steps"), "", every_n_steps > 0),
+            (("launcher", "save_on_preemption"), " (--save_on_preemption)", save_on_preemption),
+        )
+        if needed
+    ]
+
+
+def _checkpoint_rules(raw: RawConfig, config: ZerorunConfig, resume_from: str | None) -> list[str]:
+    ckpt = config.zerorun.checkpoint
+    return checkpoint_dir_problems(
+        dir=ckpt.dir,
+        resume_from=resume_from or config.launcher.resume_from or os.environ.get(RESUME_ENV),
+        auto_resume=ckpt.auto_resume,
+        every_n_steps=ckpt.every_n_steps,
+        save_on_preemption=bool(config.launcher.save_on_preemption),
+        where=raw.where,
+    )
+
+
+def check_rules(
+    raw: RawConfig, config: ZerorunConfig, *, resume_from: str | None = None
+) -> tuple[list[str], list[str], list[str]]:
+    """-> (errors, warnings, notices) of the rules between keys. `resume_from`: the launcher's
+    --resume_from (in a rank: its ZERORUN_RESUME_FROM), a checkpoint directory besides the config's."""
     errors: list[str] = []
     warnings: list[str] = []
     for rule in (_precision_rules, _offload_rules, _launcher_rules, observe_rules):
         e, w = rule(raw, config)
         errors += e
         warnings += w
+    errors += _checkpoint_rules(raw, config, resume_from)
     warnings += _stage_warnings(raw, config)
     return errors, warnings, _notices(raw, config)

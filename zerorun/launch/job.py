@@ -109,6 +109,7 @@ def plan_job(options: LaunchOptions) -> PlannedJob:
     stderr (before any console exists)."""
     loaded, config_path, config_json, section, config_dir = _load_config(options)
     options = options.merged(section, base_dir=config_dir)
+    _check_checkpoint_flags(options, loaded, config_path)
     launcher = choose_launcher(
         options.launcher, hostfile=options.hostfile, nnodes=options.nnodes, node_rank=options.node_rank, environ=os.environ
     )
@@ -259,13 +260,30 @@ def _load_config(
         raise ConfigError(f"config file {path} (from {where}) does not exist.")
     from zerorun.config import load_config
 
-    loaded = load_config(path)
+    loaded = load_config(path, resume_from=options.resume_from)
     for w in loaded.warnings:
         _note(f"config {path}: warning: {w}")
     for n in loaded.notices:
         _note(f"config {path}: {n}")
     section = loaded.config.launcher.model_dump(exclude_unset=True)
     return loaded, str(path), loaded.to_json(), section, Path(path).resolve().parent
+
+
+def _check_checkpoint_flags(options: LaunchOptions, loaded: LoadedConfig | None, config_path: str | None) -> None:
+    """--save_on_preemption needs a checkpoint directory: the config's, or --resume_from's
+    (the config's own keys were checked by load_config)."""
+    from zerorun.config.rules import checkpoint_dir_problems
+
+    ckpt = loaded.config.zerorun.checkpoint if loaded is not None else None
+    problems = checkpoint_dir_problems(
+        dir=ckpt.dir if ckpt is not None else None,
+        resume_from=options.resume_from,
+        auto_resume=False,
+        every_n_steps=0,
+        save_on_preemption=bool(options.save_on_preemption),
+    )
+    if problems:
+        raise ConfigError(f"{config_path or 'no --config'}: {problems[0]}")
 
 
 def _note(text: str) -> None:

@@ -12,6 +12,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from zerorun.config.rules import checkpoint_dir_problems
 from zerorun.errors import RuntimeConfigError
 from zerorun.runtime.settings import CheckpointSettings
 
@@ -64,15 +65,15 @@ def checkpoint_options(settings: CheckpointSettings, env: Mapping[str, str] | No
         resume_from=env.get(RESUME_ENV) or None,
         save_on_preemption=env.get(PREEMPTION_ENV) == "1",
     )
-    if opts.save_dir is None:
-        for what, needed in (
-            ("zerorun.checkpoint.auto_resume", opts.auto_resume),
-            ("zerorun.checkpoint.every_n_steps", opts.every_n_steps > 0),
-            ("zerorun --save_on_preemption", opts.save_on_preemption),
-        ):
-            if needed:
-                raise RuntimeConfigError(
-                    f"{what} needs a checkpoint directory: set zerorun.checkpoint.dir in the config "
-                    "(or launch with --resume_from DIR)"
-                )
+    # load_config's rules and the launcher's check of its flags report this before any rank
+    # starts; still reachable here when ZERORUN_SAVE_ON_PREEMPTION is set by hand (torchrun).
+    problems = checkpoint_dir_problems(
+        dir=opts.dir,
+        resume_from=opts.resume_from,
+        auto_resume=opts.auto_resume,
+        every_n_steps=opts.every_n_steps,
+        save_on_preemption=opts.save_on_preemption,
+    )
+    if problems:
+        raise RuntimeConfigError(problems[0])
     return opts
