@@ -60,7 +60,7 @@ Piece = tuple[str, str, float, bool]
 # Gradient staging buffers alive at once from stage 2 on (runtime/grad_reduce.py: max_inflight
 # collectives outstanding + the buffer being filled).
 _REDUCE_STAGING = 3
-_MAX_FLAT_NUMEL = 50_000_000  # runtime/stages.py MAX_FLAT_NUMEL (estimate imports no torch)
+_MAX_FLAT_NUMEL = 50_000_000  # runtime/flat_stage.py MAX_FLAT_NUMEL (estimate imports no torch)
 
 # Optimizer state bytes per trainable element (fp32 states), by lower-case optimizer name.
 _OPTIMIZER_STATE_BYTES: dict[str, int] = {
@@ -433,7 +433,7 @@ def _buffers(
     if stage >= 2 and n > 1:  # one rank accumulates into its shard directly: no staging
         if stage == 2:
             # Stages 0-2 cap a flat buffer at 5e7 elements whatever reduce_bucket_size says
-            # (runtime/stages.py MAX_FLAT_NUMEL: earlier reduce-scatters, bounded staging).
+            # (runtime/flat_stage.py MAX_FLAT_NUMEL: earlier reduce-scatters, bounded staging).
             bucket = min(max(min(reduce, _MAX_FLAT_NUMEL), largest_layer or 0), psi)
         else:
             # Stage 3 stages one parameter group (a module) per reduce-scatter, whatever

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 import zerorun
-from zerorun.runtime.stages import FlatStage
+from zerorun.runtime.flat_stage import FlatStage
 
 CASES = {  # name -> (stage, dtype, reduce_bucket_size): small buckets = pipelined step, large = one part
     "z1-bf16-pipelined": (1, "bf16", 64),

@@ -88,7 +88,7 @@ def build_stage(
     placement: ShardPlacement,
 ) -> Stage:
     if settings.stage in (0, 1, 2):
-        from zerorun.runtime.stages import build_flat_stage
+        from zerorun.runtime.flat_stage import build_flat_stage
 
         if any(hasattr(p, "_zerorun_init") for p in module.parameters()):
             # Built under zerorun.zero.Init (a stage-3 tool): stages 0-2 need whole parameters.

@@ -10,7 +10,7 @@ One training step, as a script drives it (DeepSpeed's shape):
 At the boundary, ``step`` does, in this order: global gradient norm (one small all-reduce at
 stages 1+; the fp16 overflow flag comes with it), skip on overflow (fp16) or unscale + clip in
 one multiply, optimizer step on this rank's shards, write-back of the updated parameters,
-scheduler step, zero the gradients. The stage (``Stage``, runtime/stage_protocol.py; stages.py for
+scheduler step, zero the gradients. The stage (``Stage``, runtime/stage_protocol.py; flat_stage.py for
 0-2, runtime/stage3/ for 3) does everything that differs between stages; this file does not
 branch on the stage.
 """

@@ -96,7 +96,7 @@ class PrecisionSettings:
 
 @dataclass(frozen=True)
 class BucketSettings:
-    reduce_bucket_size: int  # elements per gradient bucket (stages 0-2 cap it: stages.MAX_FLAT_NUMEL)
+    reduce_bucket_size: int  # elements per gradient bucket (stages 0-2 cap it: flat_stage.MAX_FLAT_NUMEL)
     allgather_bucket_size: int  # accepted; the write-back gathers in place (no bucket to size)
 
 

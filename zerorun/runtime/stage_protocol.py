@@ -1,6 +1,6 @@
 """``Stage``: what the engine, checkpoints and offload may ask of a ZeRO stage.
 
-Two implementations: ``stages.FlatStage`` (stages 0-2: parameters replicated in flat buffers,
+Two implementations: ``flat_stage.FlatStage`` (stages 0-2: parameters replicated in flat buffers,
 gradients reduced in buckets, optimizer state sharded from stage 1) and ``stage3.stage.Stage3``
 (parameters partitioned in module groups, gathered around their use). ``runtime/api.py:
 build_stage`` picks one; nothing else branches on the stage. Anything a caller needs that is not

@@ -30,8 +30,8 @@ import torch.distributed as dist
 from torch import nn
 
 from zerorun.errors import RuntimeConfigError
+from zerorun.runtime.flat_stage import wait_all_params
 from zerorun.runtime.stage3.param_group import ParamGroup
-from zerorun.runtime.stages import wait_all_params
 
 __all__ = ["GatheredParameters", "install_state_dict_hooks", "load_pretrained", "is_partitioned", "set_full_state_dict"]
 
