@@ -128,7 +128,11 @@ def _save(section: str, key: str, data: dict[str, Any]) -> None:
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     doc: dict[str, Any] = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
     doc.setdefault("schema", "zerorun-launcher-scale/1")
-    doc.setdefault(section, {})[key] = {**data, "machine": _machine(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    runs = doc.setdefault(section, {})
+    if key in runs:  # an earlier run of the same case stays, under its date
+        old = runs.pop(key)
+        runs[f"{key}@{old['date']}"] = old
+    runs[key] = {**data, "machine": _machine(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     tmp = RESULTS.with_suffix(".tmp")
     tmp.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
     os.replace(tmp, RESULTS)
@@ -233,7 +237,7 @@ def cmd_throughput(args: argparse.Namespace) -> None:
         _save("throughput", f"{nodes}x{args.ranks}-r{args.rate:g}-s{args.seconds:g}", {
             "nodes": nodes, "ranks": nodes * args.ranks, "lines_per_rank_s": args.rate, "seconds": args.seconds,
             "target_lines_s": target, "achieved_lines_s": round(achieved, 1),
-            "achieved_fraction": round(achieved / target, 3), "counts": achieved >= 0.95 * target,
+            "achieved_fraction": round(achieved / target, 3), "counts": achieved >= 0.99 * target,
             "lines_total": probe.lines,
             "launcher_cpu_s": round(launcher_cpu, 2),
             "launcher_cpu_per_line_us": round(1e6 * launcher_cpu / max(1, probe.lines), 2),
