@@ -12,6 +12,7 @@ import torch
 
 from zerorun.compat.deepspeed import add_config_arguments
 from zerorun.compat.deepspeed._initialize import (
+    NO_PERIODIC_PRINTS,
     _config_dict,
     _runtime_view,
     check_not_accelerate_on_cpu_ranks,
@@ -82,8 +83,9 @@ def test_config_comes_from_where_deepspeed_takes_it(tmp_path: Path, monkeypatch:
         _config_dict(None, None, None)
     monkeypatch.setenv("ZERORUN_CONFIG_JSON", json.dumps(given))
     assert _config_dict(argparse.Namespace(), None, None) == given
-    # accelerate's "never print" is not a count zerorun's schema accepts; it prints nothing anyway.
-    assert "steps_per_print" not in _runtime_view({"steps_per_print": float("inf"), "a": 1})
+    # accelerate's "never print": a step count no run reaches (test_initialize_steps_per_print.py).
+    assert _runtime_view({"steps_per_print": float("inf"), "a": 1}) == {"steps_per_print": NO_PERIODIC_PRINTS, "a": 1}
+    assert _runtime_view({"steps_per_print": 5})["steps_per_print"] == 5
 
 
 def test_accelerate_on_several_cpu_ranks_is_refused_with_the_reason() -> None:

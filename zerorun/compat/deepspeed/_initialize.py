@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -52,12 +53,19 @@ def _config_dict(args: Any, config: Any, config_params: Any) -> dict[str, Any]:
     return getattr(source, "config", source).to_dict()
 
 
+# A step count no run reaches: `steps_per_print` this large means no periodic prints (report.py
+# prints at step % steps_per_print == 0, and reads pending steps every MAX_PENDING steps anyway).
+NO_PERIODIC_PRINTS = sys.maxsize
+
+
 def _runtime_view(cfg: dict[str, Any]) -> dict[str, Any]:
-    """The config zerorun's runtime gets. accelerate writes ``steps_per_print: inf`` to keep
-    DeepSpeed from printing to stdout; zerorun prints nothing there (its status lines are
-    events to the launcher), so the key is dropped rather than refused as not a count."""
-    if isinstance(cfg.get("steps_per_print"), float) and cfg["steps_per_print"] == float("inf"):
-        cfg = {k: v for k, v in cfg.items() if k != "steps_per_print"}
+    """The config zerorun's runtime gets. accelerate writes ``steps_per_print: inf`` to mean
+    "never print" (DeepSpeed then prints no step lines); zerorun's runtime, like DeepSpeed, would
+    print rank 0's ``[Rank 0] step=...`` line every `steps_per_print` steps, so inf (or any value
+    past NO_PERIODIC_PRINTS) becomes NO_PERIODIC_PRINTS rather than being refused as not a count."""
+    value = cfg.get("steps_per_print")
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > NO_PERIODIC_PRINTS:
+        cfg = dict(cfg, steps_per_print=NO_PERIODIC_PRINTS)
     return cfg
 
 
