@@ -13,7 +13,9 @@ in one go (one sync: a stack + `tolist`, and the CUDA timer events) and reported
 * rank 0's monitors get one event per step and tag (monitors.py).
 
 Between print steps a light `status` event (step, loss, lr) keeps the live panel moving, at
-most once a second (reading the loss is a host sync, so never more often).
+most once a second, without a host sync on CUDA: its loss is copied to pinned host memory
+(non-blocking, with an event) and read at the next light status, so the panel's loss is that
+of the previous light status, about a second old (`_LossReadback`). On CPU it is read directly.
 
 A `steps_per_print` longer than `MAX_PENDING` steps (DeepSpeed configs set 2000, or 1e9 to
 silence the prints) does not hold every step's device tensors and CUDA events until the print:
@@ -80,6 +82,35 @@ def _read_scalars(records: Sequence[StepRecord]) -> tuple[list[float | None], li
     return losses, norms
 
 
+class _LossReadback:
+    """The light status's loss without a host sync (module docstring). On CUDA, `read(loss)`
+    returns the value copied at an earlier call once its event has completed (None until then)
+    and starts the copy of `loss` -- like checkpoint/autosave.py's preemption flag. On CPU, the
+    value of `loss` itself."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._cuda = device.type == "cuda"
+        self._host: torch.Tensor | None = None
+        self._event: Any = None
+        self._pending = False
+        self.value: float | None = None
+
+    def read(self, loss: torch.Tensor | None) -> float | None:
+        if not self._cuda:
+            return None if loss is None else float(loss.item())
+        if self._pending and self._event.query():  # query(): never waits
+            self.value = float(self._host.item())  # type: ignore[union-attr]  # host memory: no sync
+            self._pending = False
+        if not self._pending and loss is not None:
+            if self._host is None:
+                self._host = torch.empty((), dtype=torch.float32, pin_memory=True)
+                self._event = torch.cuda.Event()
+            self._host.copy_(loss.detach().reshape(()), non_blocking=True)
+            self._event.record()
+            self._pending = True
+        return self.value
+
+
 @dataclass
 class StepRecord:
     step: int
@@ -122,6 +153,7 @@ class StepReporter:
         self._last_print = time.perf_counter()
         self._samples_at_print = 0
         self._last_light = time.monotonic()
+        self._light_loss = _LossReadback(device)
         self.last_report: dict[str, Any] | None = None
         self._micro_in_step = 0
         self.profiler: FlopsProfiler | None = None
@@ -220,7 +252,7 @@ class StepReporter:
         if not events.connected():
             return
         self._last_light = now
-        value = None if loss is None else float(loss.item())  # host sync, at most once a second
+        value = self._light_loss.read(loss)  # CUDA: the previous light status's loss, no host sync
         extra = {}
         if self.last_report is not None:  # the panel keeps the last report's throughput and timers
             for key in ("tokens_per_sec", "samples_per_sec", "timers_ms"):
