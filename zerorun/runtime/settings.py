@@ -42,7 +42,6 @@ __all__ = [
     "OffloadSettings",
     "Stage3Settings",
     "CheckpointSettings",
-    "LoggingSettings",
     "resolve_batch",
     "settings_from_config",
 ]
@@ -185,11 +184,6 @@ class CheckpointSettings:
 
 
 @dataclass(frozen=True)
-class LoggingSettings:
-    steps_per_print: int
-
-
-@dataclass(frozen=True)
 class RuntimeSettings:
     stage: int  # zero_optimization.stage
     batch: BatchSettings
@@ -200,7 +194,6 @@ class RuntimeSettings:
     offload: OffloadSettings
     stage3: Stage3Settings
     checkpoint: CheckpointSettings
-    logging: LoggingSettings
     observe: ObserveOptions  # steps_per_print, wall_clock_breakdown, monitors, flops_profiler
     activation: ActivationOptions  # activation_checkpointing (zerorun.checkpointing)
 
@@ -361,7 +354,6 @@ def settings_from_config(
             keep_last=ck.keep_last,
             async_save=getattr(ck, "async"),  # a Python keyword: no attribute syntax
         ),
-        logging=LoggingSettings(steps_per_print=cfg.steps_per_print),
         observe=ObserveOptions.from_config(cfg),
         activation=ActivationOptions.from_config(cfg),
     )
