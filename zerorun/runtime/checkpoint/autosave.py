@@ -26,7 +26,7 @@ import signal
 import sys
 import threading
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -38,6 +38,9 @@ from .engine_view import EngineCheckpointView
 from .format import META_FILE
 from .options import PREEMPTED_EXIT_CODE, CheckpointOptions
 from .sharded import save_checkpoint
+
+if TYPE_CHECKING:
+    from zerorun.runtime.engine import Engine
 
 __all__ = ["EngineCheckpointing", "prune_checkpoints"]
 
@@ -72,7 +75,7 @@ def prune_checkpoints(save_dir: Path, keep_last: int) -> list[Path]:
 class _PreemptionWatch:
     """SIGTERM sets a flag; `agreed()` says, identically on every rank, whether to stop now."""
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.signalled = False
         self._pending: tuple[Any, torch.Tensor, Any, torch.Tensor | None] | None = None
@@ -128,7 +131,7 @@ class _PreemptionWatch:
 class EngineCheckpointing:
     """The engine's own checkpoints (module docstring). `engine.checkpointing` holds it."""
 
-    def __init__(self, engine: Any, options: CheckpointOptions, *, pg_timeout_s: float | None = None) -> None:
+    def __init__(self, engine: Engine, options: CheckpointOptions, *, pg_timeout_s: float | None = None) -> None:
         self.engine = engine
         self.options = options
         self.saver: AsyncSaver | None = None
