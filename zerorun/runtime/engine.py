@@ -361,7 +361,7 @@ class Engine:
     def save_checkpoint(
         self,
         save_dir: str,
-        tag: Any = None,
+        tag: str | None = None,
         client_state: dict[str, Any] | None = None,
         save_latest: bool = True,
         exclude_frozen_parameters: bool = False,
@@ -378,7 +378,7 @@ class Engine:
     def load_checkpoint(
         self,
         load_dir: str,
-        tag: Any = None,
+        tag: str | None = None,
         load_optimizer_states: bool = True,
         load_lr_scheduler_states: bool = True,
         load_module_only: bool = False,

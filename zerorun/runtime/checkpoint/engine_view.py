@@ -264,7 +264,7 @@ class EngineCheckpointView:
 def save(
     engine: Engine,
     save_dir: str | os.PathLike[str],
-    tag: Any,
+    tag: str | None,
     client_state: dict[str, Any] | None,
     save_latest: bool,
     exclude_frozen_parameters: bool = False,
@@ -273,7 +273,7 @@ def save(
     return _save(view, save_dir, tag, client_state, save_latest)
 
 
-def load(engine: Engine, load_dir: str | os.PathLike[str], tag: Any, **flags: bool) -> tuple[str | None, dict[str, Any] | None]:
+def load(engine: Engine, load_dir: str | os.PathLike[str], tag: str | None, **flags: bool) -> tuple[str | None, dict[str, Any] | None]:
     return _load(EngineCheckpointView(engine), load_dir, tag, **flags)
 
 
