@@ -13,6 +13,7 @@ from zerorun.config import load_config
 from zerorun.errors import ConfigError
 from zerorun.launch.job import plan_job
 from zerorun.launch.plan import LaunchOptions, Target
+from zerorun.launch.restart import with_config_section
 
 FIX = "needs a checkpoint directory: set zerorun.checkpoint.dir in the config (or launch with --resume_from DIR)"
 
@@ -75,3 +76,7 @@ def test_the_launcher_checks_its_flags_against_the_config(tmp_path: Path, monkey
     assert plan("plain.yaml", save_on_preemption=True, resume_from="r").plan.save_on_preemption
     assert plan("every.yaml", resume_from="r").plan.resume_from == str(tmp_path / "r")
     assert plan("dir.yaml", save_on_preemption=True).plan.save_on_preemption
+    # no config the launcher knows: the script's own config decides, in the ranks
+    assert plan_job(LaunchOptions(target=Target(script="train.py"), num_gpus=1, device="cpu", save_on_preemption=True))
+    # the restart loop's own read of the config sees the flag too
+    assert with_config_section(LaunchOptions(target=Target(script="train.py"), config="every.yaml", resume_from="r"))

@@ -271,19 +271,21 @@ def _load_config(
 
 def _check_checkpoint_flags(options: LaunchOptions, loaded: LoadedConfig | None, config_path: str | None) -> None:
     """--save_on_preemption needs a checkpoint directory: the config's, or --resume_from's
-    (the config's own keys were checked by load_config)."""
+    (the config's own keys were checked by load_config). Without a config the launcher knows,
+    the script's own config decides: the runtime checks it (runtime/checkpoint/options.py)."""
     from zerorun.config.rules import checkpoint_dir_problems
 
-    ckpt = loaded.config.zerorun.checkpoint if loaded is not None else None
+    if loaded is None:
+        return
     problems = checkpoint_dir_problems(
-        dir=ckpt.dir if ckpt is not None else None,
+        dir=loaded.config.zerorun.checkpoint.dir,
         resume_from=options.resume_from,
         auto_resume=False,
         every_n_steps=0,
         save_on_preemption=bool(options.save_on_preemption),
     )
     if problems:
-        raise ConfigError(f"{config_path or 'no --config'}: {problems[0]}")
+        raise ConfigError(f"{config_path}: {problems[0]}")
 
 
 def _note(text: str) -> None:

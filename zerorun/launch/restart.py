@@ -178,7 +178,7 @@ def with_config_section(options: LaunchOptions) -> LaunchOptions:
         return options  # no config, or run_job reports the missing file
     from zerorun.config import load_config
 
-    section = load_config(path).config.launcher.model_dump(exclude_unset=True)
+    section = load_config(path, resume_from=options.resume_from).config.launcher.model_dump(exclude_unset=True)
     subset = {k: v for k, v in section.items() if k in _LOOP_KEYS}
     return options.merged(subset, base_dir=Path(path).resolve().parent)
 

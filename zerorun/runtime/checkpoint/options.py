@@ -66,7 +66,8 @@ def checkpoint_options(settings: CheckpointSettings, env: Mapping[str, str] | No
         save_on_preemption=env.get(PREEMPTION_ENV) == "1",
     )
     # load_config's rules and the launcher's check of its flags report this before any rank
-    # starts; still reachable here when ZERORUN_SAVE_ON_PREEMPTION is set by hand (torchrun).
+    # starts; reached here by --save_on_preemption when the launcher had no config (the script
+    # passes its own to zerorun.initialize), or a ZERORUN_SAVE_ON_PREEMPTION set by hand.
     problems = checkpoint_dir_problems(
         dir=opts.dir,
         resume_from=opts.resume_from,
