@@ -13,9 +13,10 @@ import zerorun.runtime
 
 RUNTIME = Path(zerorun.runtime.__file__).parent
 
-# Any in annotations under zerorun/runtime (issue 12 started at 180 by this count, when
-# runtime/ was 8.3k lines; the new observe/, activations/ and checkpoint modules came after).
-ANY_BUDGET = 255
+# Any in annotations under zerorun/runtime: 180 by this count when issue 12 started (runtime/
+# was 8.3k lines), 244 after it, with the observe/, activations/, async-checkpoint and ZenFlow
+# modules added meanwhile (most left: stage3/hooks.py, observe/flops.py, activations/checkpoint.py).
+ANY_BUDGET = 244
 
 
 def any_annotations(root: Path) -> Counter[str]:
