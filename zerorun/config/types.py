@@ -178,3 +178,16 @@ def field(default: Any = ..., description: str = "", **kwargs: Any) -> Any:
     if "default_factory" in kwargs:
         return Field(**meta(description, **meta_kwargs), **kwargs)
     return Field(default, **meta(description, **meta_kwargs), **kwargs)
+
+
+def field_meta(model: type[Any], name: str) -> dict[str, Any]:
+    """The `meta(...)` of one key (``json_schema_extra``; {} for a key without one)."""
+    extra = model.model_fields[name].json_schema_extra
+    return extra if isinstance(extra, dict) else {}
+
+
+def shown(value: Any) -> str:
+    """A value as a config message shows it: true/false, strings quoted, numbers as written."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    return repr(value) if isinstance(value, str) else str(value)
