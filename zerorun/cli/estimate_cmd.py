@@ -1,5 +1,5 @@
 """`zerorun estimate --params P`: memory of model states per GPU and per host, for every ZeRO
-stage and offload choice (zerorun/estimate.py holds the arithmetic; this is only the CLI)."""
+stage and offload choice (zerorun/estimate/ holds the arithmetic; this is only the CLI)."""
 
 from __future__ import annotations
 
