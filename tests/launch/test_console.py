@@ -6,7 +6,8 @@ import io
 
 from _plans import plan_for
 
-from zerorun.launch.console import PlainConsole, RichConsole, flatten_breakdown, format_bytes
+from zerorun.launch.console import PlainConsole, RichConsole
+from zerorun.launch.console_format import flatten_breakdown, format_bytes
 from zerorun.launch.hosts import Host
 from zerorun.launch.messages import RankOutput
 from zerorun.launch.result import JobResult, RankState
@@ -52,14 +53,14 @@ def test_console_rendering() -> None:
 
 
 def test_live_panel_step_cell_shows_each_ranks_timers() -> None:
-    from zerorun.launch.console import _step_cell
+    from zerorun.launch.console_format import step_cell
 
     plan = plan_for(num_gpus=2)
     fast, slow = (RankState(spec) for spec in plan.ranks)
     fast.status = {"step": 10, "loss": 2.5, "tokens_per_sec": 12345.0, "samples_per_sec": 6.0,
                    "timers_ms": {"fwd": 10.2, "bwd": 20.0, "step": 5.0}}
     slow.status = {"step": 10, "loss": 2.5, "samples_per_sec": 3.0, "timers_ms": {"fwd": 95.0, "bwd": 20.0, "step": 5.0}}
-    assert _step_cell(fast) == "step 10 loss 2.5 12.3k tok/s fwd/bwd/step 10/20/5 ms"
-    assert "3.0 samples/s fwd/bwd/step 95/20/5 ms" in _step_cell(slow)
+    assert step_cell(fast) == "step 10 loss 2.5 12.3k tok/s fwd/bwd/step 10/20/5 ms"
+    assert "3.0 samples/s fwd/bwd/step 95/20/5 ms" in step_cell(slow)
     slow.status = {"step": 3}
-    assert _step_cell(slow) == "step 3"
+    assert step_cell(slow) == "step 3"
