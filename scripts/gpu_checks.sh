@@ -113,4 +113,9 @@ run compile_shared_gloo 240 env ZERORUN_BACKEND=gloo \
   "${PYTEST[@]}" tests/runtime/test_compile.py --junitxml="$OUT/compile_shared_gloo.xml"
 run compile_world1_nccl 150 env ZERORUN_BACKEND=nccl ZERORUN_DEBUG_COLLECTIVES=1 ZR_COMPILE_WORLD=1 \
   "${PYTEST[@]}" tests/runtime/test_compile.py --junitxml="$OUT/compile_world1_nccl.xml"
+# 8. Observability and activation checkpointing (issue 18): CUDA-event timers, MFU against the GPU's
+#    peak, the live status's loss read without a host sync (sync debug mode "error"), pinned-host
+#    activation stashes with side-stream prefetch, the partition all-gather.
+run observe_cuda 150 env ZERORUN_BACKEND=gloo \
+  "${PYTEST[@]}" tests/runtime/observe tests/runtime/activations --junitxml="$OUT/observe_cuda.xml"
 echo "results in $OUT" | tee -a "$summary"
