@@ -34,6 +34,7 @@ def _train(
     import torch
 
     from benchmarks.configs import CATALOGUE, zerorun_ds_config
+    from benchmarks.measure import loss_curve
     from benchmarks.workload import BETAS, EPS, LR, WEIGHT_DECAY, build_model, gpt_model
 
     cfg = gpt_model.get_config(size, **({"seq_len": seq_len} if seq_len else {}))
@@ -50,18 +51,7 @@ def _train(
     engine, _, _, _ = zerorun.initialize(model=model, config=ds)
     del model
     data = gpt_model.SyntheticTokens(cfg, mb, device, seed=1234, rank=0)
-    losses, times = [], []
-    for i in range(steps):
-        x, y = data.batch(i)
-        t0 = time.perf_counter()
-        loss = engine(x, y)
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.detach())
-        if device.type == "cuda" and (i % 10 == 9 or i == steps - 1):
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    values = torch.stack([v.float().reshape(()) for v in losses]).cpu().tolist()
+    values, times = loss_curve(engine, data, steps, device)
     placement = engine.stage.state.placement
     out = {
         "size": size,

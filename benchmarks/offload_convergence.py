@@ -37,6 +37,7 @@ def train(name: str, size: str, steps: int, fp32: bool, bucket: int | None) -> d
     sys.path.insert(0, str(REPO))
     import zerorun
     from benchmarks.configs import CATALOGUE, zerorun_ds_config
+    from benchmarks.measure import loss_curve
     from benchmarks.workload import BETAS, EPS, LR, WEIGHT_DECAY, build_model, gpt_model
 
     cfg = gpt_model.get_config(size)
@@ -52,23 +53,13 @@ def train(name: str, size: str, steps: int, fp32: bool, bucket: int | None) -> d
     engine, _, _, _ = zerorun.initialize(model=model, config=ds)
     del model
     data = gpt_model.SyntheticTokens(cfg, cfg.micro_batch, device, seed=1234, rank=0)
-    losses, times = [], []
-    for i in range(steps):
-        x, y = data.batch(i)
-        t0 = time.perf_counter()
-        loss = engine(x, y)
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.detach())
-        if device.type == "cuda" and (i % 10 == 9 or i == steps - 1):
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
+    values, times = loss_curve(engine, data, steps, device)
     placement = engine.stage.state.placement
     rec = {
         "config": name,
         "size": size,
         "steps": steps,
-        "losses": torch.stack([v.float().reshape(()) for v in losses]).cpu().tolist(),
+        "losses": values,
         "mean_step_s": statistics.fmean(times[len(times) // 4 :]),
         "placement": type(placement).__name__,
         "host_share": getattr(placement, "host_share", None),
