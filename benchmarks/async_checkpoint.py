@@ -137,6 +137,8 @@ def _run_stage(args: argparse.Namespace, stage: int, work: Path) -> dict[str, An
     if proc.returncode != 0:
         raise SystemExit(f"stage {stage} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
     ranks = [json.loads(Path(f"{record}.rank{r}.json").read_text()) for r in range(args.nproc)]
+    # A 1.3B model's checkpoint is ~20 GB: free the disk before the next stage's job.
+    shutil.rmtree(work / f"ckpt{stage}", ignore_errors=True)
     stall = max(_median(r["stall_s"]) for r in ranks)
     target = max(r["target_s"] for r in ranks)
     sync = max(r["sync_save_s"] for r in ranks)
