@@ -185,21 +185,39 @@ def test_report_ratios_noise_band_and_loss_check() -> None:
 
 
 def test_offload_rows_are_judged_against_their_own_targets() -> None:
-    """One table of targets (report.OFFLOAD_TARGETS): an exact offload row at 0.48x meets its
-    0.45x, the delayed row at 0.55x misses its 0.70x (it used to show the same "≈" for both)."""
+    """One table of targets (report.OFFLOAD_TARGETS, issue 17): each offload row against zerorun's
+    own no-offload row of its stage, at its own least ratio; a Twin-Flow ratio row also against
+    the memory halfway between full offload and none."""
+    G = report.GIB
     recs = [
-        _rec("fsdp2", 100.0, 5.0, 40),
-        _rec("zero2", 100.0, 5.0, 40),
-        _rec("zero2_offload_opt", 48.0, 5.0, 30),
-        _rec("zero2_offload_dpu", 55.0, 5.1, 30),
-        _rec("zero3", 100.0, 5.0, 30),
-        _rec("zero3_offload_param", 40.0, 5.0, 20),
+        _rec("fsdp2", 100.0, 5.0, 40 * G),
+        _rec("zero2", 100.0, 5.0, 40 * G),
+        _rec("zero2_offload_opt", 66.0, 5.0, 20 * G),
+        _rec("zero2_offload_dpu", 74.0, 5.1, 20 * G),
+        _rec("zero2_offload_ratio", 86.0, 5.0, 31 * G),  # halfway between 20 and 40 GiB is 30: over it
+        _rec("zero2_zenflow", 91.0, 5.0, 20 * G),
+        _rec("zero3", 200.0, 5.0, 30 * G),
+        _rec("zero3_offload_opt", 128.0, 5.0, 10 * G),  # 0.64x: just under its 0.65x
+        _rec("zero3_offload_ratio", 170.0, 5.0, 20 * G),  # halfway between 10 and 30 is 20: at it
+        _rec("zero3_offload_param", 120.0, 5.0, 5 * G),
     ]
-    md = report.render(recs)
-    assert "`zero2_offload_opt`: 0.48× `zero2` ✓ (target ≥ 0.45×" in md
-    assert "`zero2_offload_dpu`: 0.55× `zero2` ✗ (target ≥ 0.70×" in md
-    assert "`zero3_offload_param`: 0.40× `zero3` ✗ (target ≥ 0.45×" in md
-    assert "≈" not in md.split("Targets:")[1]
+    md = report.render(recs).split("Targets:")[1]
+    assert "`zero2_offload_opt`: 0.66× `zero2` ✓ (target ≥ 0.65×" in md
+    assert "`zero3_offload_opt`: 0.64× `zero3` ✗ (target ≥ 0.65×" in md
+    assert "`zero2_offload_dpu`: 0.74× `zero2` ✗ (target ≥ 0.75×" in md
+    assert "`zero2_zenflow`: 0.91× `zero2` ✓ (target ≥ 0.90×" in md
+    assert "`zero3_offload_param`: 0.60× `zero3` ✓ (target ≥ 0.60×" in md
+    assert "`zero2_offload_ratio`: 0.86× `zero2` ✓ (target ≥ 0.85×" in md
+    assert "peak GPU memory 31.0 GiB ≤ halfway 30.0 GiB between `zero2_offload_opt` and `zero2` ✗" in md
+    assert "`zero3_offload_ratio`: 0.85× `zero3` ✓" in md
+    assert "peak GPU memory 20.0 GiB ≤ halfway 20.0 GiB between `zero3_offload_opt` and `zero3` ✓" in md
+    # Without the full-offload row there is no halfway to judge: speed only.
+    alone = report.offload_target_lines({r["config"]: r for r in recs if r["config"] != "zero2_offload_opt"})
+    assert any(x.startswith("- `zero2_offload_ratio`: 0.86×") and "halfway" not in x for x in alone)
+    # Every target row is in the catalogue and compared with a no-offload row of its own stage.
+    for name, t in report.OFFLOAD_TARGETS.items():
+        row, ref = configs.CATALOGUE[name], configs.CATALOGUE[t.ref]
+        assert row.stage == ref.stage and row.offloads and not ref.offloads
 
 
 def test_bundle_round_trip_skips_torn_line(tmp_path: Path) -> None:
