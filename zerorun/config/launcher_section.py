@@ -41,11 +41,13 @@ class LauncherSection(Section):
         description="Per-host environment variables, e.g. `{worker-2: {GLOO_SOCKET_IFNAME: eth1}}`.",
     )
     log_dir: str | None = field(None, "Directory for per-rank log files (none when unset).")
-    launcher: Literal["auto", "local", "ssh", "slurm", "mpi", "pernode"] | None = field(
+    # The names `--launcher` takes too (launch/selection.py's LAUNCHERS; a test keeps them equal).
+    launcher: Literal["auto", "local", "ssh", "slurm", "mpi", "pernode", "sim"] | None = field(
         None,
         "How nodes are started: `auto` (default: the scheduler or hostfile decides, see docs/clusters.md), "
-        "`local`, `ssh`, `slurm`, `mpi` (mpirun starts the hostfile's nodes) or `pernode` (one zerorun per "
-        "node: Kubernetes, srun per node).",
+        "`local`, `ssh`, `slurm`, `mpi` (mpirun starts the hostfile's nodes), `pernode` (one zerorun per "
+        "node: Kubernetes, srun per node) or `sim` (the hostfile's nodes simulated on this machine, the "
+        "script not run: docs/multinode.md).",
     )
     rdzv_timeout: Real | None = field(
         None, "Per-node mode: seconds node 0 waits for every node to join (default 300).", gt=0

@@ -199,6 +199,13 @@ def _launcher_rules(raw: RawConfig, config: ZerorunConfig) -> tuple[list[str], l
             warnings.append(
                 f"{raw.where(('launcher', 'hostfile'))} = {launcher.hostfile!r}: no such file here ({hostfile})"
             )
+    if launcher.launcher == "sim":
+        # Meant for trying the launcher at scale; left in a real job's config it would quietly
+        # train nothing, so say so wherever the config is read (print-config, the launch).
+        warnings.append(
+            f"{raw.where(('launcher', 'launcher'))} = 'sim': the hostfile's nodes are simulated on this "
+            "machine and the script does not run (unless the command line's --launcher says otherwise)"
+        )
     return errors, warnings
 
 
