@@ -10,7 +10,8 @@ SSH channel without a pty leaves the remote command running):
 - no message from the launcher for `heartbeat_timeout_s` (a dropped link closes nothing)
   -> SIGKILL every rank, exit; a rank blocked in a collective would otherwise wait out
   its process-group timeout;
-- SIGTERM / SIGHUP to the agent -> the same; except SIGTERM with `--save_on_preemption`
+- SIGTERM / SIGHUP / SIGINT to the agent (acted on by a thread: `install_signal_handlers`) -> the
+  same; except SIGTERM with `--save_on_preemption`
   (`plan.preemption_grace` set): it goes to each rank alone, which saves a checkpoint and exits
   75 (reported as usual), and only ranks still alive after the grace period are killed;
 - its stdout (the channel) breaks -> the same.
@@ -79,6 +80,7 @@ class Agent:
         self._exit = exit
         self._runner_factory = runner_factory
         self._dying = threading.Lock()
+        self._preempting = False
 
     # -- death ------------------------------------------------------------------------------
 
@@ -102,6 +104,9 @@ class Agent:
         if self.runner is None or grace is None:
             self.die("got SIGTERM; killed this node's ranks")
             return
+        if self._preempting:
+            return  # the ranks have their SIGTERM and the grace is running
+        self._preempting = True
         print(f"zerorun agent on {socket.gethostname()}: got SIGTERM; the ranks save and exit ({grace:g} s)",
               file=sys.stderr, flush=True)
         self.runner.signal(signal.SIGTERM, tree=False)
@@ -300,6 +305,41 @@ def dial(environ: Any = None) -> socket.socket:
         time.sleep(0.5)
 
 
+_AGENT_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
+
+
+def install_signal_handlers(agent: Agent) -> threading.Thread:
+    """SIGTERM / SIGHUP / SIGINT act on a thread of their own, never inside the handler.
+
+    A Python signal handler runs in the main thread between two bytecodes, wherever it was:
+    printing from it (or killing ranks, which prints) re-enters a stream whose lock that code may
+    hold -- a deadlock or "reentrant call" RuntimeError, and a storm of signals (a scheduler
+    retrying) nests handlers inside each other's prints. The handler only writes the signal's
+    number to a pipe (one os.write: no lock); `zerorun-agent-signals` reads it and acts."""
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
+
+    def on_signal(signum: int, _frame: object) -> None:
+        try:
+            os.write(write_fd, bytes([signum]))
+        except BlockingIOError:
+            pass  # hundreds of unhandled signals queued: this one adds nothing
+
+    def dispatch() -> None:
+        while True:
+            for signum in os.read(read_fd, 64):
+                if signum == signal.SIGTERM:
+                    agent.preempt()
+                else:
+                    agent.die(f"got {signal.Signals(signum).name}; killed this node's ranks")
+
+    thread = threading.Thread(target=dispatch, name="zerorun-agent-signals", daemon=True)
+    thread.start()
+    for sig in _AGENT_SIGNALS:
+        signal.signal(sig, on_signal)
+    return thread
+
+
 def main() -> None:
     if sys.argv[1:] == ["--dial"]:
         sock = dial()
@@ -312,9 +352,7 @@ def main() -> None:
         os.dup2(2, 1)
         stream = sys.stdin.buffer
     agent = Agent(channel_fd)
-    for sig in (signal.SIGHUP, signal.SIGINT):
-        signal.signal(sig, lambda signum, _f: agent.die(f"got {signal.Signals(signum).name}; killed this node's ranks"))
-    signal.signal(signal.SIGTERM, lambda _s, _f: agent.preempt())
+    install_signal_handlers(agent)
     _become_subreaper()
     agent.serve(stream)
 
