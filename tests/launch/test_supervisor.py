@@ -91,30 +91,6 @@ def test_a_runner_that_fails_to_start_leaves_nothing_open() -> None:
     assert closed == ["a", "b", "c"]
 
 
-def test_a_link_runner_never_started_closes_at_once() -> None:
-    import socket
-    import time
-
-    from zerorun.launch.link import Link, LinkHub, LinkRunner
-
-    plan = plan_for([Host("a", (0, 1))])
-    ours, theirs = socket.socketpair()
-    hub = LinkHub()
-    try:
-        link = Link("a", ours)
-        hub.add(link)
-        runner = LinkRunner(plan, plan.nodes[0], link, hub)
-        t0 = time.monotonic()
-        runner.close()
-        assert time.monotonic() - t0 < 1.0  # not the 2 s wait for exits of ranks that never ran
-        assert link.closed.is_set()
-        theirs.settimeout(5)
-        assert theirs.recv(1) == b""  # the agent's end sees EOF: it exits
-    finally:
-        hub.close()
-        theirs.close()
-
-
 def test_sigterm_with_save_on_preemption_names_its_own_grace_when_it_kills() -> None:
     """SIGTERM with --save_on_preemption: the ranks alone get SIGTERM (not their trees); ranks
     that do not exit within the preemption grace are killed, and the kill names that grace
@@ -138,3 +114,60 @@ def test_sigterm_with_save_on_preemption_names_its_own_grace_when_it_kills() -> 
     assert runner.signals == [(signal.SIGTERM, False)] and runner.killed
     assert result.exit_code == 128 + signal.SIGTERM and result.reason == "interrupted"
     assert "preemption grace of 0.3 s is over" in err.getvalue() and "grace period of 5" not in err.getvalue()
+
+
+def test_a_start_that_raises_still_writes_and_closes_the_job_log(tmp_path: Path) -> None:
+    """A real rank on node a prints; node b's start() raises. The job log keeps the lines that
+    arrived, summary.json says the run did not start and why, and the log's files and writer
+    thread are closed (before: the exception skipped JobLog.close -- lines lost, files and the
+    writer thread leaked)."""
+    import os
+    import sys
+    import threading
+    import time
+
+    import pytest
+    from _launch import base_env
+
+    from zerorun.errors import LaunchError
+    from zerorun.launch.local import LocalRunner
+    from zerorun.launch.plan import DeviceInfo, LaunchOptions, Target, build_plan
+
+    script = tmp_path / "talk.py"
+    script.write_text("import time\nfor i in range(3):\n    print('line', i, flush=True)\ntime.sleep(60)\n")
+    options = LaunchOptions(target=Target(script=str(script)), device="cpu")
+    plan = build_plan(
+        options, [Host("localhost", (0,)), Host("b", (0,))], DeviceInfo(gpus=(), cores=2), master_port=29500,
+        run_id="joblog-abort", cwd=str(tmp_path),
+    )
+    logs = tmp_path / "logs"
+    env, _tag = base_env()
+    sup: Supervisor
+
+    class FailsOnceTheLinesArrived(ScriptedRunner):
+        def start(self, sink) -> None:
+            deadline = time.monotonic() + 60
+            while sup._queue.qsize() < 4 and time.monotonic() < deadline:  # started + 3 lines
+                time.sleep(0.02)
+            raise LaunchError("the link to b closed before the job started")
+
+    local = LocalRunner(plan, plan.nodes[0], python=sys.executable, environ=env)
+    sup = Supervisor(
+        plan, [local, FailsOnceTheLinesArrived(plan.nodes[1], [])], PlainConsole(out=io.StringIO(), err=io.StringIO()),
+        log_dir=logs,
+    )
+    with pytest.raises(LaunchError, match="closed before the job started"):
+        sup.run()
+    assert (logs / "rank0.log").read_text() == "line 0\nline 1\nline 2\n"
+    summary = json.loads((logs / "summary.json").read_text())
+    assert summary["reason"] == "not_started" and summary["exit_code"] is None
+    assert summary["message"] == "LaunchError: the link to b closed before the job started"
+    assert [r["state"] for r in summary["ranks"]][1] == "starting"
+    assert not any(t.name == "zerorun-joblog" and t.is_alive() for t in threading.enumerate())
+    open_files = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            open_files.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except FileNotFoundError:  # the directory listing's own descriptor
+            pass
+    assert not [f for f in open_files if f.startswith(str(logs))], open_files

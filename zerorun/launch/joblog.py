@@ -1,5 +1,6 @@
 """A job's files under `--log_dir`: `rank<N>.log` (every line a rank printed), `events.jsonl`
-(every Contract 3 event, tagged with its rank) and `summary.json` (the `JobResult`).
+(every Contract 3 event, tagged with its rank) and `summary.json` (the `JobResult`; after a
+run that raised before it had one, `reason: "not_started"` and the error).
 
 The supervisor calls it from its main thread; the disk work happens on a writer thread of its
 own, so a slow file system never holds up the event loop (fail-fast, heartbeats, the console).
@@ -19,7 +20,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from zerorun.launch import fdlimit
-from zerorun.launch.result import JobResult
+from zerorun.launch.result import JobResult, RankState
 
 __all__ = ["JobLog"]
 
@@ -72,6 +73,18 @@ class JobLog:
             self._wake.set()
 
     def close(self, result: JobResult) -> None:
+        self._finish({"run_id": self.run_id, **result.to_json()})
+
+    def abort(self, error: str, ranks: Iterable[RankState]) -> None:
+        """Close after a run that raised instead of producing a result (a runner's start()
+        failed): the lines already received are written, every file closed, and summary.json
+        says what happened and what each rank got to."""
+        self._finish(
+            {"run_id": self.run_id, "exit_code": None, "reason": "not_started", "message": error,
+             "ranks": [r.to_json() for r in ranks]}
+        )  # fmt: skip
+
+    def _finish(self, data: dict[str, Any]) -> None:
         self._stop = True
         self._wake.set()
         if self._writer is not None:
@@ -84,7 +97,6 @@ class JobLog:
                 pass
         if self._events is not None:
             self._events.close()
-        data = {"run_id": self.run_id, **result.to_json()}
         if self.error is not None:
             data["log_error"] = f"writing the logs stopped: {self.error}"
         (self.log_dir / "summary.json").write_text(json.dumps(data, indent=2, default=str) + "\n")

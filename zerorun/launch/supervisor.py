@@ -126,13 +126,15 @@ class Supervisor:
             self._joblog.open(self.states)
         old_handlers = self._install_signal_handlers()
         started: list[NodeRunner] = []
+        failure: BaseException | None = None
         try:
             self.console.begin(self.plan, list(self.states.values()))
             for runner in self.runners:
                 runner.start(self._queue.put)
                 started.append(runner)
             self._loop()
-        except BaseException:
+        except BaseException as exc:
+            failure = exc
             self.console.stop()  # a live display must not outlive a crash
             raise
         finally:
@@ -145,6 +147,11 @@ class Supervisor:
                 _quietly(runner.close)
             self._drain_nowait()
             self._restore_signal_handlers(old_handlers)
+            if failure is not None and self._joblog is not None:
+                # No result comes: write what arrived (output of the nodes that did start) and
+                # close the files and the writer thread here, or they leak and the lines are lost.
+                error = f"{type(failure).__name__}: {failure}"
+                _quietly(self._joblog.abort, error, [self.states[r] for r in sorted(self.states)])
         self._settle_preemption()
         result = JobResult(
             exit_code=self._exit_code,
