@@ -184,6 +184,58 @@ def test_restart_budget_exhausted_names_every_attempt(tmp_path: Path) -> None:
     assert len(runs) == 2  # a new run id per attempt
 
 
+def test_a_restart_that_cannot_start_is_a_failed_attempt_and_the_loop_goes_on(tmp_path: Path) -> None:
+    """Attempt 1's rank 1 deletes the script and dies; attempts 2 and 3 fail their checks before
+    any rank starts (script not found). Each is recorded with its own reason and exit code, the
+    loop retries until the budget is spent (before: it stopped at attempt 2, and summary.json
+    gave attempt 1's exit code), and the job exits with the last attempt's code, the error's."""
+    import shutil
+
+    script = tmp_path / "job.py"
+    shutil.copy(RESTART_JOB, script)
+    logs = tmp_path / "logs"
+    code, _out, err, tag = run(
+        ["--num_gpus", "2", "--max_restarts", "2", "--grace_period", "1", "--log_dir", str(logs), str(script)],
+        env={"RJ_MODE": "vanish"},
+    )
+    assert not wait_until_gone(tag, 5)
+    assert code == 1, err
+    assert f"attempt 2/3 could not start: script {script} not found (working directory" in err, err
+    assert "); restarting" in err, err
+    assert "attempt 3/3 (restart)" in err and "restart budget of 2 exhausted" in err, err
+    summary = json.loads((logs / "summary.json").read_text())
+    got = [(a["attempt"], a["exit_code"], a["reason"], a["retryable"]) for a in summary["attempts"]]
+    assert got == [(1, 137, "rank_failed", True), (2, 1, "not_started", True), (3, 1, "not_started", True)], got
+    assert "not found" in summary["attempts"][2]["message"] and summary["exit_code"] == 1
+
+
+def test_start_failures_that_would_repeat_are_not_retried(tmp_path: Path) -> None:
+    from zerorun.errors import ConfigError, HostfileError, LaunchError
+    from zerorun.launch.restart import classify_start_failure
+
+    assert classify_start_failure(LaunchError("node2: connection refused"), restart=True)[0] is True
+    assert classify_start_failure(LaunchError("node2: connection refused"), restart=False)[0] is False
+    assert classify_start_failure(HostfileError("only 1 node left, --num_nodes 2"), restart=True)[0] is False
+    assert classify_start_failure(ConfigError("bad key"), restart=True)[0] is False
+
+    # The loop with a stand-in run_job: a config error on the restart ends it, with that code.
+    calls: list[int] = []
+
+    def fake_run_job(options: LaunchOptions) -> JobResult:
+        calls.append(1)
+        if len(calls) == 1:
+            return _result("rank_failed", 137, [{"rc": -9}], first=0)
+        raise ConfigError("ds.json: zero_optimization.stage 7 does not exist")
+
+    opts = LaunchOptions(target=Target(script="t.py"), max_restarts=3, log_dir=str(tmp_path))
+    with pytest.raises(ConfigError):
+        run_with_restarts(opts, run_job=fake_run_job, port_is_free=lambda _p: True)
+    assert len(calls) == 2
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert [(a["exit_code"], a["retryable"]) for a in summary["attempts"]] == [(137, True), (1, False)]
+    assert summary["exit_code"] == 1
+
+
 def _wait_for(path_lines: list[tuple[Path, str]], timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -22,6 +22,12 @@ it; with `--num_nodes` a spare host of the hostfile takes its place), as long as
 load at any world size; the batch triad is resolved again: a `train_batch_size` that does not
 divide is an error before anything starts).
 
+An attempt that cannot start (its checks or the nodes' preflight raise before any rank runs) is
+a failed attempt too, recorded with reason ``not_started``, the error, and the error's exit code:
+on a restart a `LaunchError` (a node still rebooting or unreachable, a port still held) is
+retried; a config or hostfile error, too few nodes left to select, or any error of the first
+attempt (the user's setup) ends the job with that error, as without restarts.
+
 With N > 0 and ``--log_dir DIR``: attempt k writes its files to ``DIR/attempt{k}/`` and
 ``DIR/summary.json`` lists every attempt (exit code, reason, classification) and the final
 exit code -- the last attempt's.
@@ -37,13 +43,14 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from zerorun.errors import LaunchError, ZerorunError
+from zerorun.errors import ConfigError, HostfileError, LaunchError, ZerorunError
 from zerorun.launch.plan import LaunchOptions
 from zerorun.launch.result import PREEMPTED_EXIT_CODE, JobResult, describe_exit, where
 
 __all__ = [
     "Attempt",
     "classify",
+    "classify_start_failure",
     "run_with_restarts",
     "budget_message",
     "with_config_section",
@@ -132,6 +139,21 @@ def classify(result: JobResult, *, restart_on_any_failure: bool = False) -> tupl
         return True, f"rank {where(first.spec)} failed: {texts[0][:300]}"
     code = describe_exit(first.returncode) if first is not None and first.returncode is not None else f"exit {result.exit_code}"
     return True, f"rank {where(first.spec) if first is not None else '?'} failed ({code})"
+
+
+def classify_start_failure(err: ZerorunError, *, restart: bool) -> tuple[bool, str]:
+    """(retry?, why) for an attempt that raised before any rank started. Pure.
+
+    A restart whose preflight fails (a node still rebooting or unreachable, its agent not
+    answering, a port still held there: `LaunchError`) is retried like a failed attempt. A
+    config or hostfile error, or too few nodes left to select, would fail the same way again; so
+    would anything on the first attempt (today's behaviour: the user's setup)."""
+    text = str(err).rstrip(".")
+    if not restart:
+        return False, f"could not start: {text}"
+    if isinstance(err, (ConfigError, HostfileError)) or not isinstance(err, LaunchError):
+        return False, f"could not start: {text} (it would fail the same way again)"
+    return True, f"could not start: {text}"
 
 
 def budget_message(attempts: list[Attempt], max_restarts: int) -> str:
@@ -251,11 +273,19 @@ def run_with_restarts(
         _say(f"attempt {number}/{total}" + (" (restart)" if number > 1 else ""))
         try:
             result = run_job(attempt_opts)
-        except ZerorunError as err:  # this attempt could not start (e.g. too few nodes left)
-            if root is not None and attempts:
-                attempts.append(Attempt(number, -1, "not_started", str(err), False, f"could not start: {err}", attempt_opts.log_dir))
-                _write_summary(root, attempts, max_restarts, attempts[-2].exit_code)
-            raise
+        except ZerorunError as err:
+            # This attempt could not start. The first attempt's reasons are the user's setup, as
+            # without restarts; on a restart it is a failed attempt like any other.
+            retry, why = classify_start_failure(err, restart=number > 1)
+            attempts.append(Attempt(number, err.exit_code, "not_started", str(err), retry, why, attempt_opts.log_dir))
+            if root is not None:
+                _write_summary(root, attempts, max_restarts, err.exit_code)
+            if retry and number < total:
+                _say(f"attempt {number}/{total} {why}; restarting")
+                continue
+            if number > 1:
+                _say(budget_message(attempts, max_restarts) if retry else f"attempt {number}/{total} {why}; not retried")
+            raise  # the CLI reports the error and exits with its code, the one summary.json has
         retry, why = classify(result, restart_on_any_failure=bool(options.restart_on_any_failure))
         lost = failed_nodes(result) if retry and options.exclude_failed_nodes else []
         if lost:

@@ -1,6 +1,7 @@
 """A rank program for the restart tests (tests/launch/test_restart.py), no torch: RJ_MODE picks
 the failure. setup_error: every rank raises the same exception at once (a config mistake);
-kill: rank 1 SIGKILLs itself (every attempt), the others wait to be stopped; preempt: on
+kill: rank 1 SIGKILLs itself (every attempt), the others wait to be stopped; vanish: the same,
+after deleting this script; preempt: on
 SIGTERM a rank does what the engine does with --save_on_preemption (a `preempted` event, exit 75)."""
 
 from __future__ import annotations
@@ -18,6 +19,14 @@ if MODE == "setup_error":
 if MODE == "kill":
     if RANK == 1:
         time.sleep(0.3)
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(60)
+if MODE == "vanish":
+    # Rank 1 takes the script away (a file system gone from the node, say) and dies: the next
+    # attempt cannot start.
+    if RANK == 1:
+        time.sleep(0.3)
+        os.remove(os.path.abspath(sys.argv[0]))
         os.kill(os.getpid(), signal.SIGKILL)
     time.sleep(60)
 if MODE == "preempt":
