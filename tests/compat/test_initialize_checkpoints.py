@@ -1,48 +1,96 @@
-"""``deepspeed.initialize`` with the engine's own checkpoint options, which act in
-``Engine.step`` -- not called by ``DeepSpeedEngine.step``: a warning says so, and SIGTERM keeps
-its meaning instead of being swallowed by a preemption handler that would never save."""
+"""``deepspeed.initialize`` with the engine's own checkpoint options: ``zerorun.checkpoint
+.every_n_steps`` and ``--save_on_preemption`` act at ``DeepSpeedEngine.step``'s boundary as at
+``Engine.step``'s (a hook, docs/fault-tolerance.md). Real ranks on gloo through the launcher
+with --deepspeed-compat: one uninterrupted run (periodic saves), one preempted by a SIGTERM to
+one rank (all ranks save the same step, exit 75), and its resumption (auto_resume), whose
+losses and final fp32 masters equal the uninterrupted run's."""
 
 from __future__ import annotations
 
+import json
+import os
 import signal
 import subprocess
+import time
 from pathlib import Path
 
-from ._run import PYTHON, env
+from ._run import PYTHON, ROOT, env
 
-SCRIPT = r"""
-import json, os, signal, sys
-import torch
-import zerorun.compat
-zerorun.compat.activate(announce=False)
-import deepspeed
-
-model = torch.nn.Linear(4, 2)
-config = {
-    "train_micro_batch_size_per_gpu": 2,
-    "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
-    "zerorun": {"checkpoint": {"dir": sys.argv[1], "every_n_steps": 1}},
-}
-engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
-for _ in range(2):
-    engine.backward(engine(torch.randn(2, 4)).square().mean())
-    engine.step()
-print("HANDLER " + json.dumps(signal.getsignal(signal.SIGTERM) == signal.SIG_DFL), flush=True)
-os.kill(os.getpid(), signal.SIGTERM)
-print("STILL ALIVE", flush=True)
-"""
+WORKER = ROOT / "tests" / "runtime" / "checkpoint" / "_ft_worker.py"
+STEPS = 8
 
 
-def test_save_on_preemption_and_periodic_saves_are_said_not_acted_on(tmp_path: Path) -> None:
-    proc = subprocess.run(
-        [PYTHON, "-c", SCRIPT, str(tmp_path / "ckpt")],
-        env=env(ZERORUN_SAVE_ON_PREEMPTION="1"), capture_output=True, text=True, timeout=120,
-    )
-    assert "HANDLER true" in proc.stdout, proc.stdout + proc.stderr
-    assert proc.returncode == -signal.SIGTERM and "STILL ALIVE" not in proc.stdout, proc.stdout + proc.stderr
-    assert (
-        "--save_on_preemption and zerorun.checkpoint.every_n_steps (1): not acted on under --deepspeed-compat"
-        in proc.stderr
-    ), proc.stderr
-    assert "saving a checkpoint at the next step boundary" not in proc.stderr
-    assert not (tmp_path / "ckpt" / "latest").exists()
+def _config(ckpt: Path) -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.01}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.01, "warmup_num_steps": 5}},
+        "zero_optimization": {"stage": 2, "reduce_bucket_size": 150},
+        "steps_per_print": 1000,
+        "zerorun": {"checkpoint": {"dir": str(ckpt), "auto_resume": True, "every_n_steps": 2}},
+    }
+
+
+def _launch(out: Path, *args: str, slow: str = "0") -> subprocess.Popen[str]:
+    extra = {"FT_COMPAT": "1", "FT_CONFIG": json.dumps(_config(out / "ckpt")), "FT_OUT": str(out), "FT_STEPS": str(STEPS)}
+    return subprocess.Popen(
+        [PYTHON, "-m", "zerorun", "--deepspeed-compat", "--num_gpus", "2", "--device", "cpu", *args, str(WORKER)],
+        cwd=ROOT, env=env(FT_SLOW=slow, TORCH_CPP_LOG_LEVEL="ERROR", **extra), text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+    )  # fmt: skip
+
+
+def _finish(proc: subprocess.Popen[str], timeout: float) -> tuple[int, str]:
+    try:
+        _out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        _out, err = proc.communicate()
+        raise AssertionError(f"the launcher did not finish in {timeout} s\n{err[-4000:]}") from None
+    return proc.returncode, err
+
+
+def _losses(out: Path) -> dict[int, float]:
+    rows = [json.loads(x) for x in (out / "losses_rank0.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows}
+
+
+def test_periodic_saves_and_preemption_act_through_the_deepspeed_engine(tmp_path: Path) -> None:
+    from zerorun.runtime.checkpoint import get_fp32_state_dict
+
+    ref = tmp_path / "ref"
+    ref.mkdir()
+    code, err = _finish(_launch(ref), 180)
+    assert code == 0, err[-4000:]
+    ckpt = ref / "ckpt"
+    assert sorted(p.name for p in ckpt.iterdir() if p.is_dir()) == [f"global_step{s}" for s in (2, 4, 6, 8)]
+    assert (ckpt / "latest").read_text() == "global_step8"
+    assert "not acted on under --deepspeed-compat" not in err
+
+    run = tmp_path / "run"
+    run.mkdir()
+    proc = _launch(run, "--save_on_preemption", slow="0.25")
+    deadline = time.monotonic() + 120
+    losses = run / "losses_rank0.jsonl"
+    while not (losses.exists() and len(losses.read_text().splitlines()) >= 2):
+        assert time.monotonic() < deadline and proc.poll() is None, "the job did not reach step 2"
+        time.sleep(0.1)
+    os.kill(int((run / "pid_rank1").read_text()), signal.SIGTERM)  # one rank, as Slurm may
+    code, err = _finish(proc, 120)
+    assert code == 75, err[-4000:]
+    saved = (run / "ckpt" / "latest").read_text()
+    step = int(saved.removeprefix("global_step"))
+    assert 2 <= step < STEPS and f"preempted; checkpoint {saved} saved" in err, err[-4000:]
+    assert not (run / "final").exists()
+
+    code, err = _finish(_launch(run), 180)  # the next submission: auto_resume loads `latest`
+    assert code == 0, err[-4000:]
+    assert f"resumed from {run / 'ckpt' / saved} at step {step}" in err
+    got, want = _losses(run), _losses(ref)
+    assert sorted(got) == [s for s in range(1, STEPS + 1) if s != step]
+    assert all(got[s] == want[s] for s in got), (got, want)
+    a, b = get_fp32_state_dict(run / "final"), get_fp32_state_dict(ref / "final")
+    assert a.keys() == b.keys()
+    for k in a:
+        assert (a[k] - b[k]).abs().max().item() <= 1e-6 * b[k].abs().max().item(), k

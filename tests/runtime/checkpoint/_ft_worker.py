@@ -14,6 +14,8 @@ FT_CRASH_AFTER=STEP: after that step's save, ZERORUN_CHECKPOINT_CRASH is set to 
 the next save dies where it says).
 FT_SLOW=SECONDS: sleep after every step (a preemption test needs time to send its signal).
 FT_NO_FINAL=1: no final save and no engine.destroy(): the script ends with destroy_process_group.
+FT_COMPAT=1: the same script as a DeepSpeed script (`deepspeed.initialize`, zerorun's compat
+layer; the launcher's --deepspeed-compat activates it, or the script does when run bare).
 """
 
 from __future__ import annotations
@@ -46,11 +48,22 @@ def main() -> None:
     model = nn.Sequential(nn.Linear(D_IN, D_H), nn.Tanh(), nn.Linear(D_H, D_OUT))
     g = torch.Generator().manual_seed(7)
     data = torch.utils.data.TensorDataset(torch.randn(SAMPLES, D_IN, generator=g), torch.randn(SAMPLES, D_OUT, generator=g))
-    engine, _opt, loader, _sched = zerorun.initialize(model=model, training_data=data, config=cfg)
+    if os.environ.get("FT_COMPAT") == "1":
+        from zerorun.compat import activate
+
+        activate(announce=False)  # a no-op under zerorun --deepspeed-compat
+        import deepspeed
+
+        engine, _opt, loader, _sched = deepspeed.initialize(
+            model=model, model_parameters=model.parameters(), training_data=data, config=cfg
+        )
+        resumed = engine.zerorun_engine.resumed_from
+    else:
+        engine, _opt, loader, _sched = zerorun.initialize(model=model, training_data=data, config=cfg)
+        resumed = engine.resumed_from
     rank = engine.global_rank
     (out / f"pid_rank{rank}").write_text(str(os.getpid()))
     log = open(out / f"losses_rank{rank}.jsonl", "a")  # noqa: SIM115 - closed at exit
-    resumed = engine.resumed_from
     while engine.global_steps < steps:
         for x, y in loader:
             loss = nn.functional.mse_loss(engine(x), y)

@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import json
-import logging
 import os
 import sys
 from pathlib import Path
@@ -118,33 +117,6 @@ def info_line(settings: RuntimeSettings) -> str:
     )
 
 
-def _engine_checkpoints_not_acted_on(engine: Any) -> None:
-    """``zerorun.checkpoint.every_n_steps`` and ``--save_on_preemption`` act in ``Engine.step``,
-    which ``DeepSpeedEngine.step`` does not call (docs/fault-tolerance.md: Trainer and DeepSpeed
-    scripts save through their own paths). Say so once, and give SIGTERM back its previous
-    meaning: the preemption handler would otherwise swallow it and promise a save that never
-    comes (the launcher then kills the ranks after the grace period)."""
-    checkpointing = getattr(engine, "checkpointing", None)
-    if checkpointing is None:
-        return
-    ignored = []
-    if checkpointing.preemption is not None:
-        checkpointing.preemption.close()
-        checkpointing.preemption = None
-        ignored.append("--save_on_preemption")
-    if checkpointing.options.every_n_steps > 0:
-        ignored.append(f"zerorun.checkpoint.every_n_steps ({checkpointing.options.every_n_steps})")
-    if ignored:
-        from zerorun.compat.deepspeed.utils import log_dist
-
-        log_dist(
-            f"{' and '.join(ignored)}: not acted on under --deepspeed-compat (engine.step here is DeepSpeed's); "
-            "save with engine.save_checkpoint or Trainer's save_steps (docs/fault-tolerance.md)",
-            ranks=[0],
-            level=logging.WARNING,
-        )
-
-
 def _log_info(engine: Any) -> None:
     from zerorun.compat.deepspeed.utils import log_dist
 
@@ -200,7 +172,6 @@ def initialize(
         collate_fn=collate_fn,
         config=runtime_cfg,
     )
-    _engine_checkpoints_not_acted_on(engine)
     ds_engine = DeepSpeedEngine(engine, cfg, training_dataloader=loader, evaluation_only=evaluation_only)
     _log_info(engine)
     return ds_engine, (None if evaluation_only else opt), loader, sched

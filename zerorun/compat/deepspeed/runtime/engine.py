@@ -163,6 +163,8 @@ class DeepSpeedEngine(nn.Module):
         self._step_applied = not overflow
         self._window = 0
         self._window_closed = False
+        if inner.checkpointing is not None:  # as Engine.step: every_n_steps saves; a preemption saves and exits 75
+            inner.checkpointing.after_step()
 
     def was_step_applied(self) -> bool:
         return self._step_applied
