@@ -19,6 +19,10 @@ the slowest rank's median stall (saves after the first) and target, and the slow
     python benchmarks/async_checkpoint.py --device cpu --nproc 2 --n-layer 6 --d-model 512
     python benchmarks/async_checkpoint.py --device cuda --nproc 2 --size 1.3B   # on a GPU machine
 
+With more ranks than GPUs (`--nproc 2` on one GPU) the ranks share the GPUs (`--ranks_per_gpu`,
+gloo between ranks of one GPU); each rank's stall is still its own snapshot's, and its copy
+bandwidth is measured while the other ranks of its GPU copy too.
+
 Writes `benchmarks/results/async_checkpoint_<device>_<model>.json` (or `--out`).
 """
 
@@ -48,7 +52,8 @@ def _worker(args: argparse.Namespace) -> None:
 
     overrides = {k: v for k, v in (("n_layer", args.n_layer), ("d_model", args.d_model), ("seq_len", args.seq_len)) if v}
     cfg = gpt_model.get_config(args.size, **overrides)
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if args.device == "cuda" else torch.device("cpu")
+    # The shim has set this rank's GPU (LOCAL_RANK // ranks per GPU: ranks may share one).
+    device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
     model = build_model(cfg, device, seed=0)
     ckpt = Path(args.dir)
     config = {
@@ -121,10 +126,23 @@ def _median(values: list[float]) -> float:
     return sorted(values)[len(values) // 2]
 
 
+def ranks_per_gpu(device: str, nproc: int, gpus: int) -> int:
+    """K ranks per GPU when the job has more ranks than the machine has GPUs (--nproc 2 on one
+    GPU: both ranks on GPU 0, gloo between them; the launcher's --ranks_per_gpu)."""
+    if device != "cuda" or gpus < 1 or nproc <= gpus:
+        return 1
+    return -(-nproc // gpus)
+
+
 def _run_stage(args: argparse.Namespace, stage: int, work: Path) -> dict[str, Any]:
+    sys.path.insert(0, str(REPO))
+    from zerorun.launch.local import detect_devices  # no torch: the GPUs the launcher would use
+
     record = work / f"stage{stage}"
+    k = ranks_per_gpu(args.device, args.nproc, len(detect_devices().gpus))
     cmd = [
         sys.executable, "-m", "zerorun", "--num_gpus", str(args.nproc), "--device", args.device,
+        *(["--ranks_per_gpu", str(k)] if k > 1 else []),
         str(Path(__file__).resolve()), "--worker", "--stage", str(stage), "--size", args.size,
         "--steps", str(args.steps), "--micro-batch", str(args.micro_batch), "--device", args.device,
         "--dir", str(work / f"ckpt{stage}"), "--record", str(record),
@@ -144,6 +162,7 @@ def _run_stage(args: argparse.Namespace, stage: int, work: Path) -> dict[str, An
     sync = max(r["sync_save_s"] for r in ranks)
     return {
         "stage": stage,
+        "ranks_per_gpu": k,
         "stall_s_median_max": stall,
         "target_s_max": target,
         "sync_save_s_max": sync,
