@@ -3,6 +3,10 @@ deselected -- each with its reason. zerorun_peer_plugin.py applies LIFTED and DE
 
 from __future__ import annotations
 
+# "0" in the ranks' environment: run on a GPU as the suites are (run.py --device cuda): no gate
+# lifted, no probe answered; the stand-ins and DESELECTED still apply (no network there either).
+LIFT_ENV = "ZERORUN_PEER_LIFT"
+
 # Decorators replaced by the identity before the test modules import them.
 LIFTED: dict[str, dict[str, str]] = {
     "transformers": {

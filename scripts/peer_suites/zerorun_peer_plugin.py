@@ -3,6 +3,7 @@
 not touched: this plugin lifts the GPU-only gates that are meaningful on CPU (gates.py lists
 every gate lifted and kept, with its reason) before the test modules import them, writes the
 hub stand-ins (standins.py) into ``HF_HUB_CACHE``, and deselects the tests gates.py names.
+With ``ZERORUN_PEER_LIFT=0`` (run.py --device cuda) it lifts nothing: the suites run as they are.
 """
 
 from __future__ import annotations
@@ -44,8 +45,9 @@ def pytest_configure(config: Any) -> None:
     cache = os.environ.get("HF_HUB_CACHE")
     if cache:
         standins.write_standins(Path(cache))
-    _lift()
-    _answer_probes()
+    if os.environ.get(gates.LIFT_ENV, "1") != "0":
+        _lift()
+        _answer_probes()
 
 
 def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:
