@@ -10,8 +10,9 @@ heartbeats). Used by `launch/slurm.py` and `launch/mpi.py`.
 - The preflight is the SSH one: same zerorun version and protocol, the script exists, the GPUs
   cover the slots (`remote.check_devices`), the master port free (or picked) on node 0; the
   master address is node 0's address on its connection to the launcher.
-- Runners are `link.LinkRunner`s; the last one closed ends the scheduler's command (SIGTERM to
-  its process group, SIGKILL after 5 s): with no task left, the scheduler kills what it started.
+- Runners are `agent_runner.AgentRunner`s (as over SSH); the last one closed ends the scheduler's
+  command (SIGTERM to its process group, SIGKILL after 5 s): with no task left, the scheduler
+  kills what it started.
 """
 
 from __future__ import annotations
@@ -30,8 +31,9 @@ from typing import Any
 
 from zerorun.errors import LaunchError
 from zerorun.launch import tcp_link, wire
+from zerorun.launch.agent_runner import AgentRunner
 from zerorun.launch.knobs import env_number
-from zerorun.launch.link import Link, LinkHub, LinkRunner
+from zerorun.launch.link import Link, LinkHub
 
 __all__ = ["local_addresses", "DialedStep", "DialedRunner", "prepare_dialed", "START_TIMEOUT_S"]
 
@@ -129,8 +131,8 @@ class DialedStep:
                 self.proc.wait(timeout=5)
 
 
-class DialedRunner(LinkRunner):
-    """`LinkRunner` whose last `close()` also ends the scheduler's command."""
+class DialedRunner(AgentRunner):
+    """`AgentRunner` whose last `close()` also ends the scheduler's command."""
 
     def __init__(self, *args: Any, step: DialedStep, owns_hub: LinkHub | None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -268,7 +270,6 @@ def prepare_dialed(
                 plan,
                 node,
                 links[node.host.name],
-                hub,
                 heartbeat_s=ssh.heartbeat_s,
                 heartbeat_timeout_s=ssh.heartbeat_timeout_s,
                 step=step,

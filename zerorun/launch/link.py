@@ -9,16 +9,14 @@ can dial in to the launcher). On the launcher's side:
 - `Link`: one agent's socket: thread-safe `send`, the decoded messages (a queue until a
   handler takes over), `last_heard`, non-protocol lines kept as `stderr_tail`;
 - `LinkHub`: ONE selector thread reads every link, cuts lines, decodes them and hands them
-  to the link's handler; ONE thread sends heartbeats and watches silence for every runner.
-  Launcher threads stay at 2 + the supervisor, whatever the node count;
-- `LinkRunner`: the `NodeRunner` (Contract 5) that drives one agent over a link: the same
-  messages, fail-fast inputs (`NodeLost` on EOF or silence) and heartbeat rules as
-  `launch/remote.SshRunner`.
+  to the link's handler; ONE thread ticks every runner's heartbeat (sends it, watches silence).
+  Launcher threads stay at 2 + the supervisor, whatever the node count.
+
+The runner of an agent over a link is `launch/agent_runner.AgentRunner`, the same as over SSH.
 """
 
 from __future__ import annotations
 
-import queue
 import selectors
 import socket
 import threading
@@ -26,38 +24,34 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from zerorun.errors import LaunchError
 from zerorun.launch import wire
-from zerorun.launch.messages import NodeLost, RankExit, Sink
+from zerorun.launch.agent_runner import AgentInbox
 
-__all__ = ["Link", "LinkHub", "LinkRunner"]
+__all__ = ["Link", "LinkHub"]
 
 _READ_SIZE = 1 << 16
 # A send blocked this long means the agent stopped reading: the link counts as broken.
 _SEND_TIMEOUT_S = 10.0
-# After a `kill`, how long `close` waits for the agent to report its ranks' exits.
-_CLOSE_WAIT_S = 2.0
-
-Handler = Callable[[dict[str, Any] | None], None]
 
 
-class Link:
-    """One agent's end of the launcher: a connected stream socket carrying wire messages."""
+class Link(AgentInbox):
+    """One agent's end of the launcher: a connected stream socket carrying wire messages (an
+    `agent_runner.AgentChannel`)."""
 
     def __init__(self, name: str, sock: socket.socket, *, display: str | None = None) -> None:
+        super().__init__()
         self.name = name
         self.display = display or name
         self.sock = sock
         sock.settimeout(_SEND_TIMEOUT_S)  # recv is only called when the selector says ready
-        self.last_heard = time.monotonic()
-        self.stderr_tail: list[str] = []
-        self.messages: queue.Queue[dict[str, Any] | None] = queue.Queue()
         self.closed = threading.Event()
-        self._handler: Handler | None = None
-        self._handler_lock = threading.Lock()
         self._send_lock = threading.Lock()
         self._buf = b""
         self._hub: LinkHub | None = None  # the hub reading this link (set by LinkHub.add)
+
+    @property
+    def route(self) -> str:
+        return f"the link to {self.display}"
 
     def send(self, kind: str, **fields: Any) -> bool:
         return self.send_bytes(wire.encode(kind, **fields))
@@ -73,20 +67,18 @@ class Link:
             except OSError:
                 return False
 
-    def set_handler(self, handler: Handler) -> None:
-        """From now on, messages go to `handler` (on the hub's thread) instead of the queue;
-        whatever is queued is handed over first, in order. `None` means end of stream."""
-        with self._handler_lock:
-            while True:
-                try:
-                    handler(self.messages.get_nowait())
-                except queue.Empty:
-                    break
-            self._handler = handler
+    def beat(self, tick: Callable[[float], None], every: float) -> None:
+        """`tick` is called by the hub's heartbeat thread, at the hub's interval (`every` is the
+        SSH channel's business: one thread per node there)."""
+        del every
+        assert self._hub is not None, "a link is read by a hub (LinkHub.add) before a runner uses it"
+        self._hub.beat(tick)
 
-    def keep_stderr(self, text: str) -> None:
-        self.stderr_tail.append(text)
-        del self.stderr_tail[:-40]
+    def silent_for(self, now: float) -> float:
+        # Up to the reader's last round: a launcher starved of CPU (its reader not running)
+        # does not take its own stall for silent nodes.
+        round_at = self._hub.round_at if self._hub is not None else now
+        return min(now, round_at) - self.last_heard
 
     def close(self) -> None:
         """EOF for the agent (it kills whatever is left of its ranks and exits)."""
@@ -106,28 +98,15 @@ class Link:
 
     # -- called by the hub's reader thread -------------------------------------------------
 
-    def _deliver(self, msg: dict[str, Any] | None) -> None:
-        with self._handler_lock:
-            if self._handler is None:
-                self.messages.put(msg)
-            else:
-                self._handler(msg)
-
     def _on_data(self, data: bytes) -> None:
         self.last_heard = time.monotonic()
         *lines, self._buf = (self._buf + data).split(b"\n")
         for line in lines:
-            msg = wire.decode(line)
-            if msg is None:
-                text = line.decode("utf-8", "replace").rstrip()
-                if text:
-                    self.keep_stderr(text)
-                continue
-            self._deliver(msg)
+            self.take_line(line)
 
 
 class LinkHub:
-    """Reads every registered link on one thread; beats every registered runner's heart on
+    """Reads every registered link on one thread; ticks every registered heartbeat on
     another. `close()` stops both (the links themselves are closed by their owners)."""
 
     def __init__(self, *, heartbeat_s: float = 1.0) -> None:
@@ -135,7 +114,7 @@ class LinkHub:
         self._sel = selectors.DefaultSelector()
         self._wake_r, self._wake_w = socket.socketpair()
         self._sel.register(self._wake_r, selectors.EVENT_READ, None)
-        self._beating: list[LinkRunner] = []
+        self._beating: list[Callable[[float], None]] = []
         # When the reader last began a round: every link with data waiting then is read in that
         # round. Silence is measured up to here, so a launcher starved of CPU (its reader thread
         # not running) does not mistake its own stall for silent nodes.
@@ -160,9 +139,10 @@ class LinkHub:
         except (KeyError, ValueError, OSError):
             pass
 
-    def beat(self, runner: LinkRunner) -> None:
+    def beat(self, tick: Callable[[float], None]) -> None:
+        """Call `tick(now)` every `heartbeat_s` on the heartbeat thread from now on."""
         with self._beat_lock:
-            self._beating.append(runner)
+            self._beating.append(tick)
 
     def close(self) -> None:
         self._stop.set()
@@ -204,110 +184,13 @@ class LinkHub:
                     self._sel.unregister(link.sock)
                 except (KeyError, ValueError):
                     pass
-                link._deliver(None)  # noqa: SLF001 - end of stream
+                link.deliver(None)  # end of stream
 
     def _beat_loop(self) -> None:
         while not self._stop.wait(self.heartbeat_s):
             now = time.monotonic()
             with self._beat_lock:
-                runners = list(self._beating)
-            for runner in runners:
-                runner._tick(now)  # noqa: SLF001 - the hub drives the runner's heartbeat
+                ticks = list(self._beating)
+            for tick in ticks:
+                tick(now)
 
-
-class LinkRunner:
-    """A `NodeRunner` for one node whose agent is at the other end of `link`."""
-
-    def __init__(
-        self,
-        plan: Any,
-        node: Any,
-        link: Link,
-        hub: LinkHub,
-        *,
-        heartbeat_s: float = 1.0,
-        heartbeat_timeout_s: float = 10.0,
-    ) -> None:
-        self.plan = plan
-        self.node = node
-        self.link = link
-        self.hub = hub
-        self.heartbeat_s = heartbeat_s
-        self.heartbeat_timeout_s = heartbeat_timeout_s
-        self._exited: set[int] = set()
-        self._lost = False
-        self._done = threading.Event()
-        self._sink: Sink | None = None
-
-    def start(self, sink: Sink) -> None:
-        self._sink = sink
-        sent = self.link.send(
-            "plan",
-            plan=wire.plan_to_dict(self.plan, self.node.node_rank),
-            node_rank=self.node.node_rank,
-            heartbeat_s=self.heartbeat_s,
-            heartbeat_timeout_s=self.heartbeat_timeout_s,
-        )
-        if not sent:
-            raise LaunchError(f"the link to {self.link.display} closed before the job started")
-        self.link.last_heard = time.monotonic()
-        self.link.set_handler(self._on_message)
-        self.hub.beat(self)
-
-    def _on_message(self, msg: dict[str, Any] | None) -> None:
-        sink = self._sink
-        assert sink is not None
-        if msg is None:
-            if len(self._exited) < len(self.node.ranks):
-                tail = "; ".join(self.link.stderr_tail[-3:])
-                self._lose(f"the link to {self.link.display} closed" + (f" ({tail})" if tail else ""))
-            self._done.set()
-            return
-        if msg.get("t") == "error":
-            self.link.keep_stderr(str(msg.get("message")))
-            return
-        try:
-            m = wire.message_from_wire(msg)
-        except (KeyError, TypeError, ValueError):
-            self.link.keep_stderr(f"malformed message from the agent: {msg!r}"[:500])
-            return
-        if m is None:
-            return
-        if isinstance(m, RankExit):
-            self._exited.add(m.rank)
-        sink(m)
-        if isinstance(m, RankExit) and len(self._exited) == len(self.node.ranks):
-            self._done.set()
-
-    def _tick(self, now: float) -> None:
-        if self._lost or self.link.closed.is_set():
-            return
-        silent = min(now, self.hub.round_at) - self.link.last_heard
-        if silent > self.heartbeat_timeout_s:
-            self._lose(
-                f"{self.link.display} is unreachable: no heartbeat from its agent for {silent:.0f} s "
-                "(network down or node frozen)"
-            )
-            self.link.close()
-        elif not self.link.send("hb"):
-            self._lose(f"the link to {self.link.display} broke")
-
-    def _lose(self, reason: str) -> None:
-        if self._lost or self._sink is None or len(self._exited) == len(self.node.ranks):
-            return
-        self._lost = True
-        self._sink(NodeLost(self.node.node_rank, reason))
-
-    def signal(self, sig: int, *, tree: bool = True) -> None:
-        self.link.send("signal", sig=int(sig), tree=tree)
-
-    def kill(self) -> None:
-        self.link.send("kill")
-
-    def close(self) -> None:
-        # Give the agent a moment to report the exits of a kill() just sent (never started:
-        # nothing to wait for).
-        if self._sink is not None and len(self._exited) < len(self.node.ranks) and not self._lost:
-            self._done.wait(_CLOSE_WAIT_S)
-        self._done.set()
-        self.link.close()

@@ -1,7 +1,8 @@
-"""Remote nodes of a job: the preflight, and the `NodeRunner` that drives a node's agent.
+"""Remote nodes of a job over SSH: the preflight, then one runner per node.
 
 Built on `launch/ssh.py` (connections, the agent's channel). `prepare(plan, options)` is the
-entry point (Contract 5): preflight every remote node, then one runner per node.
+entry point (Contract 5): preflight every remote node, then one `agent_runner.AgentRunner` per
+remote node (the runner the Slurm/MPI dial-in and the simulation use over their links).
 
 Nothing starts before every node passed the preflight: reachable and authenticated, the
 remote interpreter imports the same zerorun, the remote cwd and the script exist, the GPUs
@@ -12,7 +13,6 @@ from __future__ import annotations
 
 import os
 import sys
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -20,9 +20,10 @@ from typing import Any
 
 from zerorun.errors import LaunchError
 from zerorun.launch import wire
+from zerorun.launch.agent_runner import AgentRunner
 from zerorun.launch.knobs import env_number, heartbeat_timeout
-from zerorun.launch.messages import NodeLost, NodeRunner, RankExit, Sink
-from zerorun.launch.plan import LaunchOptions, LaunchPlan, NodePlan
+from zerorun.launch.messages import NodeRunner
+from zerorun.launch.plan import LaunchOptions, LaunchPlan
 from zerorun.launch.ssh import (
     NodeChannel,
     SshOptions,
@@ -32,7 +33,7 @@ from zerorun.launch.ssh import (
     join_errors,
 )
 
-__all__ = ["Preflight", "preflight", "SshRunner", "prepare", "check_devices", "ssh_options_from"]
+__all__ = ["Preflight", "preflight", "prepare", "check_devices", "ssh_options_from"]
 
 
 @dataclass
@@ -170,98 +171,6 @@ def _explain_early_exit(ch: NodeChannel, python: str, cwd: str) -> str:
     return f"{where}: the node agent exited with status {code} before answering{detail}"
 
 
-# --- the remote node runner (Contract 5) ------------------------------------------------------
-
-
-class SshRunner:
-    """A `NodeRunner` for one remote node: drives that node's agent over its channel."""
-
-    def __init__(self, plan: LaunchPlan, node: NodePlan, channel: NodeChannel, options: SshOptions) -> None:
-        self.plan = plan
-        self.node = node
-        self.channel = channel
-        self.options = options
-        self._exited: set[int] = set()
-        self._lost = False
-        self._done = threading.Event()
-        self._sink: Sink | None = None
-
-    def start(self, sink: Sink) -> None:
-        self._sink = sink
-        sent = self.channel.send(
-            "plan",
-            plan=wire.plan_to_dict(self.plan, self.node.node_rank),
-            node_rank=self.node.node_rank,
-            heartbeat_s=self.options.heartbeat_s,
-            heartbeat_timeout_s=self.options.heartbeat_timeout_s,
-        )
-        if not sent:
-            raise LaunchError(f"the SSH connection to {self.channel.target.display} closed before the job started")
-        self.channel.last_heard = time.monotonic()
-        threading.Thread(target=self._pump, name=f"ssh-pump-{self.channel.alias}", daemon=True).start()
-        threading.Thread(target=self._heartbeat, name=f"ssh-hb-{self.channel.alias}", daemon=True).start()
-
-    def _pump(self) -> None:
-        assert self._sink is not None
-        while True:
-            msg = self.channel.messages.get()
-            if msg is None:
-                break
-            if msg.get("t") == "error":
-                self.channel._keep_stderr(str(msg.get("message")))  # noqa: SLF001
-                continue
-            try:
-                m = wire.message_from_wire(msg)
-            except (KeyError, TypeError, ValueError):
-                # Said, not raised: an exception here would end this thread, and the node's
-                # exits would never reach the supervisor.
-                self.channel._keep_stderr(f"malformed message from the agent: {msg!r}"[:500])  # noqa: SLF001
-                continue
-            if m is None:
-                continue
-            if isinstance(m, RankExit):
-                self._exited.add(m.rank)
-            self._sink(m)
-        if len(self._exited) < len(self.node.ranks):
-            tail = "; ".join(self.channel.stderr_tail[-3:])
-            self._lose(f"the SSH connection to {self.channel.target.display} closed" + (f" ({tail})" if tail else ""))
-        self._done.set()
-
-    def _heartbeat(self) -> None:
-        while not self._done.wait(self.options.heartbeat_s):
-            silent = time.monotonic() - self.channel.last_heard
-            if silent > self.options.heartbeat_timeout_s:
-                self._lose(
-                    f"{self.channel.target.display} is unreachable: no heartbeat from its agent for "
-                    f"{silent:.0f} s (network down or node frozen)"
-                )
-                self.channel.close()
-                return
-            if not self.channel.send("hb") and not self._done.is_set():
-                self._lose(f"the SSH connection to {self.channel.target.display} broke")
-                return
-
-    def _lose(self, reason: str) -> None:
-        if self._lost or self._sink is None or len(self._exited) == len(self.node.ranks):
-            return
-        self._lost = True
-        self._sink(NodeLost(self.node.node_rank, reason))
-
-    def signal(self, sig: int, *, tree: bool = True) -> None:
-        self.channel.send("signal", sig=int(sig), tree=tree)
-
-    def kill(self) -> None:
-        self.channel.send("kill")
-
-    def close(self) -> None:
-        # Give the agent a moment to report the exits of a kill() just sent (never started:
-        # nothing to wait for).
-        if self._sink is not None and len(self._exited) < len(self.node.ranks) and not self._lost:
-            self._done.wait(2.0)
-        self._done.set()
-        self.channel.close()  # EOF on the agent's stdin: it kills whatever is left and exits
-
-
 def ssh_options_from(options: LaunchOptions) -> SshOptions:
     """The SSH part of `launch.plan.LaunchOptions` (+ the heartbeat timeout, and
     ZERORUN_SSH_PARALLELISM / ZERORUN_SSH_CONNECT_TIMEOUT where the options leave them out;
@@ -326,7 +235,8 @@ def prepare(
             if node.is_local:
                 runners.append(LocalRunner(plan, node))
             else:
-                runners.append(SshRunner(plan, node, pf.channels[node.host.name], ssh))
+                runners.append(AgentRunner(plan, node, pf.channels[node.host.name],
+                                           heartbeat_s=ssh.heartbeat_s, heartbeat_timeout_s=ssh.heartbeat_timeout_s))
         return plan, runners
     except BaseException:
         pf.close()

@@ -351,7 +351,7 @@ class _Relay:
         for node_rank, link in self.session.links.items():
             link.last_heard = time.monotonic()
             link.set_handler(lambda msg, r=node_rank: self._on_message(r, msg))
-        self.session.hub.beat(self)  # type: ignore[arg-type] - the hub calls _tick(now)
+        self.session.hub.beat(self._tick)
 
     def stop(self) -> None:
         self._done.set()

@@ -30,10 +30,11 @@ from typing import Any
 
 from zerorun.errors import LaunchError
 from zerorun.launch import fdlimit, wire
+from zerorun.launch.agent_runner import AgentRunner
 from zerorun.launch.fanout import DEFAULT_PARALLELISM, NodeFailure, failure_table, fan_out
 from zerorun.launch.hosts import Host
 from zerorun.launch.knobs import heartbeat_timeout
-from zerorun.launch.link import Link, LinkHub, LinkRunner
+from zerorun.launch.link import Link, LinkHub
 from zerorun.launch.plan import DeviceInfo, LaunchOptions, LaunchPlan, Target, build_plan
 from zerorun.launch.synthetic import Scenario
 
@@ -166,7 +167,7 @@ def prepare(
     heartbeat_s: float = 1.0,
     heartbeat_timeout_s: float = 10.0,
     preflight_timeout_s: float = 60.0,
-) -> tuple[LaunchPlan, list[LinkRunner]]:
+) -> tuple[LaunchPlan, list[AgentRunner]]:
     """Connect to every node (bounded fan-out, retries), run the preflight on every agent, and
     return the plan with the master port the master picked, plus one runner per node. Nothing
     starts before every node passed; failures raise one LaunchError with the failure table."""
@@ -205,8 +206,7 @@ def prepare(
         port = int(hellos[0].get("port") or plan.master_port)
         plan = plan.with_master("127.0.0.1", port)
         runners = [
-            LinkRunner(plan, node, links[node.node_rank], cluster.hub,
-                       heartbeat_s=heartbeat_s, heartbeat_timeout_s=heartbeat_timeout_s)
+            AgentRunner(plan, node, links[node.node_rank], heartbeat_s=heartbeat_s, heartbeat_timeout_s=heartbeat_timeout_s)
             for node in plan.nodes
         ]
         return plan, runners
@@ -216,11 +216,11 @@ def prepare(
         raise
 
 
-class _SimRunner(LinkRunner):
-    """A `LinkRunner` of `--launcher sim`: the last one closed stops the simulated cluster."""
+class _SimRunner(AgentRunner):
+    """An `AgentRunner` of `--launcher sim`: the last one closed stops the simulated cluster."""
 
-    def __init__(self, runner: LinkRunner, cluster: SimCluster, open_runners: list[int]) -> None:
-        super().__init__(runner.plan, runner.node, runner.link, runner.hub,
+    def __init__(self, runner: AgentRunner, cluster: SimCluster, open_runners: list[int]) -> None:
+        super().__init__(runner.plan, runner.node, runner.channel,
                          heartbeat_s=runner.heartbeat_s, heartbeat_timeout_s=runner.heartbeat_timeout_s)
         self._cluster = cluster
         self._open = open_runners
@@ -234,7 +234,7 @@ class _SimRunner(LinkRunner):
                 print(f"zerorun: simulated cluster: {totals}", file=sys.stderr)
 
 
-def prepare_job(plan: LaunchPlan, options: Any) -> tuple[LaunchPlan, list[LinkRunner]]:
+def prepare_job(plan: LaunchPlan, options: Any) -> tuple[LaunchPlan, list[AgentRunner]]:
     """`--launcher sim`: the plan's nodes simulated on this machine. The scenario is the JSON
     file named by `ZERORUN_SIM_SCENARIO` (a `Scenario`; default: 1 line per rank per second,
     a memory and a status event every 5 s, every rank exits 0 after 10 s); the script is not

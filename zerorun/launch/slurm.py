@@ -5,7 +5,7 @@ back to the launcher over TCP and speaks the SSH agents' protocol (`launch/wire.
          --nodelist=HOSTS --chdir=CWD [--overlap] [--slurm_args ...] PYTHON -u -m zerorun.launch.agent --dial
 
 Slurm tracks, accounts for and kills what srun started; zerorun adds the console, fail-fast,
-heartbeats and events exactly as over SSH (`link.LinkRunner` drives each agent). srun
+heartbeats and events exactly as over SSH (`agent_runner.AgentRunner` drives each agent). srun
 broadcasts stdin and merges every task's stdout, so each agent has its own TCP connection:
 `ZERORUN_AGENT_DIAL` (the launcher's addresses and port; the agent tries
 SLURM_LAUNCH_NODE_IPADDR first) and `ZERORUN_AGENT_TOKEN` (a per-job secret) travel in srun's

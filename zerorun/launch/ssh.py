@@ -6,8 +6,8 @@ without paramiko never load it.
 One connection per node, opened in parallel. On each, one exec channel runs the node agent
 (`python -m zerorun.launch.agent`, see `launch/agent.py`, protocol in `launch/wire.py`); the
 same channel carries the preflight, the plan, the ranks' output and events, and heartbeats
-(`launch/remote.py` drives it: preflight and the remote node runner; this module never imports
-remote.py).
+(`launch/remote.py` runs the preflight over it, then `launch/agent_runner.AgentRunner` drives it;
+this module never imports remote.py).
 The remote command is built from `shlex.quote`d pieces only (remote cwd, interpreter path):
 a hostile host name or argument never reaches a shell unquoted, and everything else travels
 as JSON on stdin.
@@ -21,7 +21,6 @@ the key is then saved to ~/.ssh/known_hosts); a changed key is always an error.
 from __future__ import annotations
 
 import os
-import queue
 import shlex
 import threading
 import time
@@ -32,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from zerorun.errors import LaunchError
 from zerorun.launch import fdlimit, wire
+from zerorun.launch.agent_runner import AgentInbox
 from zerorun.launch.fanout import DEFAULT_PARALLELISM, NodeFailure, failure_table, fan_out
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -367,10 +367,13 @@ def agent_command(python: str, cwd: str) -> str:
     return f"cd -- {shlex.quote(cwd)} && exec {shlex.quote(python)} -u -m zerorun.launch.agent"
 
 
-class NodeChannel:
-    """The agent's exec channel on one node: message reader thread, writer, heartbeats."""
+class NodeChannel(AgentInbox):
+    """The agent's exec channel on one node (an `agent_runner.AgentChannel`): a reader thread
+    for its messages (it also runs the runner's handler), one for its stderr, a writer; the
+    runner's heartbeat thread (`beat`)."""
 
     def __init__(self, alias: str, target: SshTarget, client: paramiko.SSHClient, command: str) -> None:
+        super().__init__()
         self.alias = alias
         self.target = target
         self.client = client
@@ -379,11 +382,8 @@ class NodeChannel:
             raise LaunchError(f"SSH connection to {target.display} closed")
         self.channel = transport.open_session()
         self.channel.exec_command(command)
-        self.messages: queue.Queue[dict[str, Any] | None] = queue.Queue()
-        self.stderr_tail: list[str] = []
-        self.last_heard = time.monotonic()
         self._send_lock = threading.Lock()
-        self._closed = threading.Event()
+        self.closed = threading.Event()
         self._reader = threading.Thread(target=self._read, name=f"ssh-read-{alias}", daemon=True)
         self._reader.start()
         self._err_reader = threading.Thread(target=self._read_stderr, name=f"ssh-err-{alias}", daemon=True)
@@ -404,34 +404,43 @@ class NodeChannel:
             *lines, buf = buf.split(b"\n")
             yield from lines
 
+    @property
+    def display(self) -> str:
+        return self.target.display
+
+    @property
+    def route(self) -> str:
+        return f"the SSH connection to {self.target.display}"
+
     def _read(self) -> None:
         for line in self._lines(self.channel.recv):
             self.last_heard = time.monotonic()
-            msg = wire.decode(line)
-            if msg is None:
-                # A login banner or a Python error before the agent started: keep it for messages.
-                text = line.decode("utf-8", "replace").rstrip()
-                if text:
-                    self._keep_stderr(text)
-                continue
-            self.messages.put(msg)
-        self.messages.put(None)  # end of stream
+            self.take_line(line)  # a login banner or a Python error before the agent ran: kept
+        self.deliver(None)  # end of stream
 
     def _read_stderr(self) -> None:
         for line in self._lines(self.channel.recv_stderr):
             text = line.decode("utf-8", "replace").rstrip()
             if text:
-                self._keep_stderr(text)
+                self.keep_stderr(text)
 
-    def _keep_stderr(self, text: str) -> None:
-        self.stderr_tail.append(text)
-        del self.stderr_tail[:-40]
+    def beat(self, tick: Callable[[float], None], every: float) -> None:
+        """`tick(now)` every `every` seconds on a thread of this node's own, until closed."""
+
+        def loop() -> None:
+            while not self.closed.wait(every):
+                tick(time.monotonic())
+
+        threading.Thread(target=loop, name=f"ssh-hb-{self.alias}", daemon=True).start()
+
+    def silent_for(self, now: float) -> float:
+        return now - self.last_heard
 
     def send(self, kind: str, **fields: Any) -> bool:
         """False when the channel is gone (the caller reports the node)."""
         data = wire.encode(kind, **fields)
         with self._send_lock:
-            if self._closed.is_set():
+            if self.closed.is_set():
                 return False
             try:
                 self.channel.sendall(data)
@@ -457,9 +466,9 @@ class NodeChannel:
     def close(self) -> None:
         """Close stdin (the agent kills its ranks on EOF), then the connection."""
         with self._send_lock:
-            if self._closed.is_set():
+            if self.closed.is_set():
                 return
-            self._closed.set()
+            self.closed.set()
         try:
             self.channel.shutdown_write()
         except Exception:  # noqa: BLE001, S110 - already gone
