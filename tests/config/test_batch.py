@@ -83,3 +83,35 @@ def test_load_config_checks_the_triad_for_a_world_size(tmp_path):
         load_config(p, world_size=2)
     # no batch size at all is not a load error: the script may pass one
     assert load_config({}, world_size=2).batch.open == (T, M, A)
+
+
+@pytest.mark.parametrize(
+    "given,worlds,expected,words",
+    [
+        # train_batch_size kept when it divides: the accumulation grows
+        ((12, 2, None), (3, 2), (12, 2, 3), "train_batch_size 12 kept = micro 2 × accum 3 × 2 ranks; gradient_accumulation_steps 2 -> 3"),
+        ((12, 2, 2), (3, 2), (12, 2, 3), "train_batch_size 12 kept"),  # all three given
+        ((32, None, 2), (4, 2), (32, 4, 4), "train_batch_size 32 kept"),  # the micro batch stays what it was
+        ((None, 4, None), (4, 2), (16, 4, 2), "train_batch_size 16 kept"),  # a derived global batch is kept too
+        # else it changes, and the message says to what
+        ((6, 2, None), (3, 2), (4, 2, 1), "train_batch_size 6 is not a multiple of micro 2 × 2 ranks = 4, so it changes: train_batch_size 6 -> 4"),
+        ((6, 2, 1), (3, 2), (4, 2, 1), "6 -> 4 = micro 2 × accum 1 × 2 ranks (was micro 2 × accum 1 × 3 ranks)"),
+    ],
+)  # fmt: skip
+def test_rebatch_for_another_world_size(given, worlds, expected, words):
+    from zerorun.config.batch import rebatch
+
+    r = rebatch(*given, from_world=worlds[0], to_world=worlds[1])
+    assert r is not None and r.world_size == worlds[1]
+    assert (r.train_batch_size, r.train_micro_batch_size_per_gpu, r.gradient_accumulation_steps) == expected
+    assert words in r.message
+    assert r.train_batch_size == r.train_micro_batch_size_per_gpu * r.gradient_accumulation_steps * worlds[1]
+    assert resolve_batch(*r.values().values(), worlds[1]).complete
+
+
+def test_rebatch_leaves_alone_what_the_script_or_integration_decides():
+    from zerorun.config.batch import rebatch
+
+    assert rebatch(6, 2, None, from_world=3, to_world=3) is None  # same world
+    assert rebatch("auto", 2, 1, from_world=3, to_world=2) is None  # HF Trainer fills `auto`
+    assert rebatch(None, None, None, from_world=3, to_world=2) is None  # the script passes a batch size

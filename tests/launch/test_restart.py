@@ -418,6 +418,45 @@ def test_sigterm_with_save_on_preemption_saves_exits_75_and_resumes(tmp_path: Pa
     _close(_masters(out), _masters(reference))
 
 
+def test_a_restart_on_fewer_ranks_re_resolves_the_batch_and_says_what_changed(tmp_path: Path) -> None:
+    """Two "nodes" on this machine (localhost: 2 ranks, 127.0.0.1: 1 rank; both local, real
+    processes), train_batch_size 6 with micro 2. Rank 2 (on 127.0.0.1) is SIGKILLed after step 3;
+    --exclude_failed_nodes leaves that node out, and attempt 2 runs 2 ranks, where 6 is not a
+    multiple of micro 2 x 2 ranks: the launcher re-resolves the triad (train_batch_size 4, before:
+    a config error and the loop stopped), says so, the ranks train with it (ZERORUN_BATCH), resume
+    from step 2 and finish."""
+    out = tmp_path / "out"
+    out.mkdir()
+    config = {**_config(out / "ckpt"), "train_batch_size": 6}  # micro 2 (accumulation derived)
+    del config["gradient_accumulation_steps"]
+    (tmp_path / "ds.json").write_text(json.dumps(config))
+    (tmp_path / "hosts").write_text("localhost slots=2\n127.0.0.1 slots=1\n")
+    logs = tmp_path / "logs"
+    env = {"FT_CONFIG": json.dumps(config), "FT_OUT": str(out), "FT_STEPS": "6", "FT_KILL": "2:3"}
+    code, _stdout, err, tag = run(
+        ["--hostfile", str(tmp_path / "hosts"), "--device", "cpu", "--max_restarts", "1", "--exclude_failed_nodes",
+         "--grace_period", "2", "--log_dir", str(logs), "--config", str(tmp_path / "ds.json"), str(WORKER)],
+        env=env, timeout=300,
+    )  # fmt: skip
+    assert code == 0, err[-4000:]
+    assert not wait_until_gone(tag, 5)
+    message = (
+        "world size 3 -> 2: train_batch_size 6 is not a multiple of micro 2 × 2 ranks = 4, so it changes: "
+        "train_batch_size 6 -> 4 = micro 2 × accum 1 × 2 ranks (was micro 2 × accum 1 × 3 ranks)"
+    )
+    assert message in err, err[-4000:]
+    summary = json.loads((logs / "summary.json").read_text())
+    got = [(a["attempt"], a["exit_code"], a["world_size"]) for a in summary["attempts"]]
+    assert got == [(1, 137, 3), (2, 0, 2)], summary
+    assert "leaving out 127.0.0.1 (1 node(s) left)" in summary["attempts"][0]["why"]
+    assert summary["attempts"][0]["batch"] is None and message in summary["attempts"][1]["batch"]
+    rows = [json.loads(x) for x in (out / "losses_rank0.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["world"], r["train_batch"]) for r in rows] == [
+        (1, 3, 6), (2, 3, 6), (3, 3, 6), (3, 2, 4), (4, 2, 4), (5, 2, 4), (6, 2, 4)
+    ]  # fmt: skip
+    assert rows[3]["resumed_from"].endswith("ckpt/global_step2")
+
+
 def test_a_hostfile_and_include_from_the_config_are_what_failed_nodes_leave(tmp_path: Path) -> None:
     """`launcher: {hostfile, include, exclude_failed_nodes}` in the config alone (before: the
     loop saw no hostfile and refused --exclude_failed_nodes, and it would have put the failed

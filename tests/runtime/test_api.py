@@ -48,3 +48,21 @@ def test_every_check_ran(api_results: dict[str, str]) -> None:
 @pytest.mark.parametrize("check", CHECKS)
 def test_api(api_results: dict[str, str], check: str) -> None:
     assert api_results[check] == "ok", api_results[check]
+
+
+def test_the_launchers_batch_replaces_the_configs_triad_at_its_world_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ZERORUN_BATCH (a restart without failed nodes, launch/job.py): at its world size it
+    replaces the config's triad, which is not checked against that world size; at another world
+    size it is ignored; a malformed value is a clear error."""
+    from zerorun.errors import RuntimeConfigError
+    from zerorun.runtime.api import load_runtime_config
+
+    config = {"train_batch_size": 6, "train_micro_batch_size_per_gpu": 2}
+    batch = {"world_size": 2, "train_batch_size": 4, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1}
+    monkeypatch.setenv("ZERORUN_BATCH", json.dumps(batch))
+    cfg = load_runtime_config(config, 2)  # 6 / (2 x 2) would not divide: no error
+    assert (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps) == (4, 2, 1)
+    assert load_runtime_config(config, 3).train_batch_size == 6
+    monkeypatch.setenv("ZERORUN_BATCH", '{"world_size": 2}')
+    with pytest.raises(RuntimeConfigError, match="ZERORUN_BATCH"):
+        load_runtime_config(config, 2)

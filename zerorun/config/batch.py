@@ -13,7 +13,7 @@ from typing import Any
 
 from zerorun.errors import ConfigError
 
-__all__ = ["BatchResolution", "resolve_batch", "TRIAD", "OPEN_NOTE"]
+__all__ = ["BatchResolution", "resolve_batch", "TRIAD", "OPEN_NOTE", "Rebatch", "rebatch"]
 
 TRIAD = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 OPEN_NOTE = "to be filled by the training script / integration"
@@ -167,6 +167,72 @@ def resolve_batch(
         )
         return _result(n, train, micro, accum, given, derived, open_, lines)
     return _result(n, train, micro, accum, given, derived, (), lines)
+
+
+@dataclass(frozen=True)
+class Rebatch:
+    """The triad a job restarted at another world size trains with (`rebatch`), and why."""
+
+    world_size: int
+    train_batch_size: int
+    train_micro_batch_size_per_gpu: int
+    gradient_accumulation_steps: int
+    message: str
+
+    def values(self) -> dict[str, int]:
+        return {
+            "train_batch_size": self.train_batch_size,
+            "train_micro_batch_size_per_gpu": self.train_micro_batch_size_per_gpu,
+            "gradient_accumulation_steps": self.gradient_accumulation_steps,
+        }
+
+    def to_env(self) -> str:
+        """ZERORUN_BATCH's value (Contract 2): the ranks of a job at this world size use these."""
+        import json
+
+        return json.dumps({"world_size": self.world_size, **self.values()}, separators=(",", ":"))
+
+
+def rebatch(
+    train_batch_size: int | str | None,
+    train_micro_batch_size_per_gpu: int | str | None,
+    gradient_accumulation_steps: int | str | None,
+    *,
+    from_world: int,
+    to_world: int,
+) -> Rebatch | None:
+    """The batch triad for a job that trained at `from_world` ranks and continues at `to_world`
+    (a restart without the nodes that failed). None when nothing is to change: the same world
+    size, or a triad with an `auto` or nothing given (the training script or integration fills
+    it for the world it runs at).
+
+    The micro batch stays (it is what fits in a device's memory). `train_batch_size` -- the
+    global batch the job trained with, given or derived -- is kept when it is a multiple of
+    micro × the new world size (`gradient_accumulation_steps` changes); else it changes to
+    micro × accum × the new world size, and the message says so. Pure."""
+    values = (train_batch_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps)
+    if from_world == to_world or any(v == "auto" for v in values):
+        return None
+    before = resolve_batch(*values, from_world)
+    train, micro, accum = before.train_batch_size, before.train_micro_batch_size_per_gpu, before.gradient_accumulation_steps
+    if not before.complete or train is None or micro is None or accum is None:
+        return None
+    head = f"world size {from_world} -> {to_world}: "
+    was = f"(was micro {micro} × accum {accum} × {from_world} ranks)"
+    if train % (micro * to_world) == 0:
+        new_accum = train // (micro * to_world)
+        message = (
+            f"{head}train_batch_size {train} kept = micro {micro} × accum {new_accum} × {to_world} ranks; "
+            f"gradient_accumulation_steps {accum} -> {new_accum} {was}"
+        )
+        return Rebatch(to_world, train, micro, new_accum, message)
+    new_train = micro * accum * to_world
+    message = (
+        f"{head}train_batch_size {train} is not a multiple of micro {micro} × {to_world} ranks = {micro * to_world}, "
+        f"so it changes: train_batch_size {train} -> {new_train} = micro {micro} × accum {accum} × {to_world} ranks "
+        f"{was}; the learning rate and schedule are not rescaled"
+    )
+    return Rebatch(to_world, new_train, micro, accum, message)
 
 
 def _divide(total: int, by: int, total_name: str, by_text: str, source: str) -> tuple[int, int]:

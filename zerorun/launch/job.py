@@ -39,6 +39,7 @@ from zerorun.launch.supervisor import Console, Supervisor
 from zerorun.launch.target import check_target, find_config_argument, local_rank_arg
 
 if TYPE_CHECKING:
+    from zerorun.config.batch import Rebatch
     from zerorun.config.loader import LoadedConfig
 
 __all__ = ["PlannedJob", "plan_job", "run_job"]
@@ -197,8 +198,16 @@ def plan_job(options: LaunchOptions) -> PlannedJob:
     rank_filter = plan_mod.parse_rank_filter(options.ranks, plan.world_size)
     if loaded is not None:
         # The batch triad against the real world size: a mismatch stops the job here, with
-        # the arithmetic, instead of in every rank.
-        loaded.resolve_batch(plan.world_size)
+        # the arithmetic, instead of in every rank. A restart at another world size (nodes
+        # left out) re-resolves it instead and says what changed (docs/fault-tolerance.md).
+        change = None
+        if options.batch_world_size is not None:
+            change = _rebatch(loaded, options.batch_world_size, plan.world_size)
+        if change is not None:
+            _note(change.message)
+            plan = replace(plan, batch=change.to_env())
+        else:
+            loaded.resolve_batch(plan.world_size)
     if plan.device == "cuda" and not multinode and not devices.driver_present and not options.dry_run:
         raise LaunchError(
             f"--device cuda: CUDA_VISIBLE_DEVICES lists {len(devices.gpus)} GPU(s), but this machine has "
@@ -215,6 +224,16 @@ def plan_job(options: LaunchOptions) -> PlannedJob:
     return PlannedJob(
         options=options, plan=plan, rank_filter=rank_filter, withheld=withheld, launcher=launcher, pernode=spec
     )
+
+
+def _rebatch(loaded: LoadedConfig, from_world: int, to_world: int) -> Rebatch | None:
+    from zerorun.config.batch import rebatch
+
+    c = loaded.config
+    return rebatch(
+        c.train_batch_size, c.train_micro_batch_size_per_gpu, c.gradient_accumulation_steps,
+        from_world=from_world, to_world=to_world,
+    )  # fmt: skip
 
 
 def _prepare_nodes(job: PlannedJob) -> tuple[LaunchPlan, list[NodeRunner]]:

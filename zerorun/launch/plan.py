@@ -120,6 +120,9 @@ class LaunchOptions:
     preemption_grace: float | None = None  # seconds the ranks get for that (default 25)
     exclude_failed_nodes: bool | None = None  # leave lost / signal-killed nodes out of the next attempt
     min_nodes: int | None = None  # ... as long as this many remain (default 1)
+    # Set by the restart loop on later attempts: the world size the job first ran at. An attempt
+    # at another world size re-resolves the config's batch triad (config.batch.rebatch).
+    batch_world_size: int | None = None
 
     # Fields the config's `launcher:` section may fill when the command line left them out.
     MERGEABLE = (
@@ -212,6 +215,9 @@ class LaunchPlan:
     # With save_on_preemption: seconds the ranks get to save after SIGTERM (the supervisor's and
     # a node agent's deadline before SIGKILL); None otherwise.
     preemption_grace: float | None = None
+    # A restart at another world size: the batch triad the ranks use instead of their config's
+    # (ZERORUN_BATCH, JSON {"world_size", "train_batch_size", ...}; config.batch.rebatch).
+    batch: str | None = None
 
     @property
     def ranks(self) -> list[RankSpec]:
@@ -265,6 +271,8 @@ class LaunchPlan:
             env["ZERORUN_SAVE_ON_PREEMPTION"] = "1"
         if self.deepspeed_compat:
             env["ZERORUN_DEEPSPEED_COMPAT"] = "1"
+        if self.batch is not None:
+            env["ZERORUN_BATCH"] = self.batch
         return env
 
     def defaults_env(self, node_rank: int, base: Mapping[str, str]) -> dict[str, str]:

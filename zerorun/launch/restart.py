@@ -19,8 +19,10 @@ With ``--exclude_failed_nodes`` (a hostfile job), a node that was lost or whose 
 signal is left out of the next attempt (an `--include` selector loses it, an `--exclude` gains
 it; with `--num_nodes` a spare host of the hostfile takes its place), as long as
 ``--min_nodes`` (default 1) remain. The ranks resume at the smaller world size (checkpoints
-load at any world size; the batch triad is resolved again: a `train_batch_size` that does not
-divide is an error before anything starts).
+load at any world size). The batch triad is resolved again for it (`config.batch.rebatch`): the
+micro batch stays, `train_batch_size` is kept when it divides (the accumulation steps change),
+else it changes; the launcher says which on the console, the ranks get it as ZERORUN_BATCH, and
+summary.json records it with the attempt.
 
 An attempt that cannot start (its checks or the nodes' preflight raise before any rank runs) is
 a failed attempt too, recorded with reason ``not_started``, the error, and the error's exit code:
@@ -84,6 +86,8 @@ class Attempt:
     retry: bool  # whether the failure was one to retry (True for the last one too, when the budget ran out)
     why: str  # the classification, in words
     log_dir: str | None
+    world_size: int | None = None  # None: the attempt did not start
+    batch: str | None = None  # how the batch triad changed for this attempt's world size, if it did
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -94,6 +98,8 @@ class Attempt:
             "retryable": self.retry,
             "why": self.why,
             "log_dir": self.log_dir,
+            "world_size": self.world_size,
+            "batch": self.batch,
         }
 
 
@@ -186,23 +192,50 @@ _LOOP_KEYS = (
 )  # fmt: skip
 
 
-def with_config_section(options: LaunchOptions) -> LaunchOptions:
-    """`options` with the settings of the config's `launcher:` section that the restart loop
-    reads filled in where the command line left them out (a hostfile or an `include` given only
-    in the config must be the one failed nodes are left out of); the rest is run_job's business."""
+def _config_path(options: LaunchOptions) -> str | None:
+    """The config run_job will load (--config, else the script's --deepspeed_config-style
+    argument), when it exists."""
     from zerorun.launch.target import find_config_argument
 
     path = options.config
     if path is None:
         found = find_config_argument(options.target.args)
         path = found[1] if found is not None else None
-    if path is None or not Path(path).is_file():
+    return path if path is not None and Path(path).is_file() else None
+
+
+def with_config_section(options: LaunchOptions) -> LaunchOptions:
+    """`options` with the settings of the config's `launcher:` section that the restart loop
+    reads filled in where the command line left them out (a hostfile or an `include` given only
+    in the config must be the one failed nodes are left out of); the rest is run_job's business."""
+    path = _config_path(options)
+    if path is None:
         return options  # no config, or run_job reports the missing file
     from zerorun.config import load_config
 
     section = load_config(path, resume_from=options.resume_from).config.launcher.model_dump(exclude_unset=True)
     subset = {k: v for k, v in section.items() if k in _LOOP_KEYS}
     return options.merged(subset, base_dir=Path(path).resolve().parent)
+
+
+def _batch_note(options: LaunchOptions, first_world: int, world: int) -> str | None:
+    """What run_job said about the batch triad of an attempt at `world` ranks (for summary.json);
+    None when it did not change (config.batch.rebatch)."""
+    path = _config_path(options)
+    if path is None or first_world == world:
+        return None
+    from zerorun.config import load_config
+    from zerorun.config.batch import rebatch
+
+    try:
+        c = load_config(path, resume_from=options.resume_from).config
+    except ZerorunError:
+        return None  # the attempt reported it
+    change = rebatch(
+        c.train_batch_size, c.train_micro_batch_size_per_gpu, c.gradient_accumulation_steps,
+        from_world=first_world, to_world=world,
+    )  # fmt: skip
+    return change.message if change is not None else None
 
 
 def failed_nodes(result: JobResult) -> list[str]:
@@ -263,8 +296,10 @@ def run_with_restarts(
     attempts: list[Attempt] = []
     result: JobResult | None = None
     current = options
+    first_world: int | None = None  # the world size of the first attempt
     for number in range(1, total + 1):
-        attempt_opts = replace(current, run_id=None)
+        # A later attempt at another world size re-resolves the batch triad (run_job says how).
+        attempt_opts = replace(current, run_id=None, batch_world_size=first_world)
         if root is not None:
             attempt_opts = replace(attempt_opts, log_dir=str(root / f"attempt{number}"))
         if number > 1 and options.master_port is not None and _single_machine(options) and not port_is_free(options.master_port):
@@ -286,6 +321,9 @@ def run_with_restarts(
             if number > 1:
                 _say(budget_message(attempts, max_restarts) if retry else f"attempt {number}/{total} {why}; not retried")
             raise  # the CLI reports the error and exits with its code, the one summary.json has
+        world = len(result.ranks)
+        if first_world is None:
+            first_world = world
         retry, why = classify(result, restart_on_any_failure=bool(options.restart_on_any_failure))
         lost = failed_nodes(result) if retry and options.exclude_failed_nodes else []
         if lost:
@@ -295,8 +333,9 @@ def run_with_restarts(
             if left < (options.min_nodes or 1):
                 retry = False
                 why += f", fewer than --min_nodes {options.min_nodes or 1}"
+        batch = _batch_note(attempt_opts, first_world, world)
         attempts.append(
-            Attempt(number, result.exit_code, result.reason, result.message, retry, why, attempt_opts.log_dir)
+            Attempt(number, result.exit_code, result.reason, result.message, retry, why, attempt_opts.log_dir, world, batch)
         )
         if root is not None:
             _write_summary(root, attempts, max_restarts, result.exit_code)

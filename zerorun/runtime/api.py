@@ -58,16 +58,39 @@ def load_runtime_config(config: Any, world_size: int) -> ZerorunConfig:
                 "no config: pass config=PATH_OR_DICT to zerorun.initialize, or launch with "
                 "`zerorun ... --config FILE`"
             )
+    batch = _launcher_batch(world_size)
+    # With the launcher's batch the config's own triad (made for another world size) is not
+    # checked against this one: it is replaced.
+    checked = None if batch else world_size
     if isinstance(config, (str, Path, dict)):
-        return load_config(config, world_size=world_size).config
+        return _with_batch(load_config(config, world_size=checked).config, batch)
     if isinstance(config, LoadedConfig):
-        return config.config
+        return _with_batch(config.config, batch)
     if isinstance(config, ZerorunConfig):
         # A model built in Python has not been through config/rules.py: load its values.
-        return load_config(config.to_dict(only_set=True), world_size=world_size).config
+        return _with_batch(load_config(config.to_dict(only_set=True), world_size=checked).config, batch)
     raise RuntimeConfigError(
         f"config must be a path, a dict or a zerorun config (zerorun.config.load_config), not {type(config).__name__}"
     )
+
+
+def _launcher_batch(world_size: int) -> dict[str, int] | None:
+    """The batch triad the launcher chose for this world size (Contract 2's ZERORUN_BATCH: a
+    restart without the nodes that failed, docs/fault-tolerance.md), or None."""
+    text = os.environ.get("ZERORUN_BATCH")
+    if not text:
+        return None
+    try:
+        data = json.loads(text)
+        if int(data["world_size"]) != world_size:
+            return None  # not this job's world (a script that made a group of its own)
+        return {k: int(data[k]) for k in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")}
+    except (ValueError, KeyError, TypeError) as exc:
+        raise RuntimeConfigError(f"ZERORUN_BATCH={text!r} is not the launcher's batch JSON: {exc}") from None
+
+
+def _with_batch(cfg: ZerorunConfig, batch: dict[str, int] | None) -> ZerorunConfig:
+    return cfg if batch is None else cfg.model_copy(update=batch)
 
 
 def choose_placement(settings: RuntimeSettings, device: torch.device) -> ShardPlacement:

@@ -4,7 +4,7 @@ the checkpoint behaviour of the config in FT_CONFIG (JSON), and a script that kn
 about resuming -- zerorun.initialize does that.
 
 FT_OUT: a directory; each rank writes its pid to pid_rank{R} and appends one line per optimizer step to losses_rank{R}.jsonl
-({"step", "loss", "resumed_from"}), and at the end every rank joins a final save to
+({"step", "loss", "resumed_from", "world", "train_batch"}), and at the end every rank joins a final save to
 FT_OUT/final (the fp32 masters the tests compare).
 FT_STEPS: optimizer steps to train.
 FT_KILL=RANK:STEP: that rank SIGKILLs itself after that step, once (FT_OUT/killed marks it).
@@ -71,7 +71,8 @@ def main() -> None:
             engine.step()
             mean = loss.detach().clone()
             dist.all_reduce(mean)
-            log.write(json.dumps({"step": engine.global_steps, "loss": mean.item() / engine.world_size, "resumed_from": resumed}) + "\n")
+            row = {"step": engine.global_steps, "loss": mean.item() / engine.world_size, "resumed_from": resumed}
+            log.write(json.dumps({**row, "world": engine.world_size, "train_batch": engine.train_batch_size()}) + "\n")
             log.flush()
             step = engine.global_steps
             if sync_at and step == sync_at:
