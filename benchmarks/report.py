@@ -23,8 +23,8 @@ if __package__ in (None, ""):
 
 from benchmarks.configs import CATALOGUE  # noqa: E402
 from benchmarks.largest_model import RESULTS_DIR as LARGEST_DIR  # noqa: E402
-from benchmarks.largest_model import load as load_largest  # noqa: E402
-from benchmarks.largest_model import render_section  # noqa: E402
+from benchmarks.largest_model_report import load as load_largest  # noqa: E402
+from benchmarks.largest_model_report import render_section  # noqa: E402
 from benchmarks.results import import_bundle, load_records  # noqa: E402
 
 __all__ = ["render", "render_run", "console_table", "baseline", "main"]

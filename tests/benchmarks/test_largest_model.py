@@ -16,6 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks import largest_model as lm  # noqa: E402
+from benchmarks import largest_model_report as lmr  # noqa: E402
 from benchmarks import report  # noqa: E402
 from benchmarks.workload import gpt_model  # noqa: E402
 
@@ -80,10 +81,10 @@ def test_summary_names_what_stopped_the_next_step_up() -> None:
         {"run_id": "r", "kind": "search", "mode": "nvme", "predicted": {"next_step_limited_by": "disk"}},
         _try("nvme", 10, "ok"),
     ]
-    cpu, nvme = lm.mode_summary(recs, "cpu"), lm.mode_summary(recs, "nvme")
+    cpu, nvme = lmr.mode_summary(recs, "cpu"), lmr.mode_summary(recs, "nvme")
     assert cpu["best"]["layers"] == 26 and cpu["limit"] == "host RAM (6.11B: host_oom)"  # type: ignore[index]
     assert nvme["limit"] == "disk (predicted; the next step up was not tried)"  # type: ignore[index]
-    failed_first = lm.mode_summary([_try("cpu", 29, "gpu_oom", "GPU memory")], "cpu")
+    failed_first = lmr.mode_summary([_try("cpu", 29, "gpu_oom", "GPU memory")], "cpu")
     assert failed_first["best"] is None and failed_first["limit"].startswith("GPU memory")  # type: ignore[index]
 
 
@@ -105,9 +106,9 @@ def test_search_end_to_end_on_cpu(tmp_path: Path) -> None:
     assert [t["mode"] for t in tries] == ["cpu", "nvme"] and all(t["status"] == "ok" for t in tries), tries
     for t in tries:
         assert t["result"]["steps"] >= 20 and t["result"]["falling"]
-        mm = lm._measured(t)
+        mm = lmr.measured(t)
         assert abs(mm["deviation"]) <= 0.05, mm
-    assert 17.5 <= lm._measured(tries[0])["host_bytes_per_param"] <= 19  # 18 B/param + small tensors
+    assert 17.5 <= lmr.measured(tries[0])["host_bytes_per_param"] <= 19  # 18 B/param + small tensors
     assert list(nvme.iterdir()) == []  # the search's NVMe files are gone
     md = report.render([], largest=recs)
     section = md[md.index("## Largest model on one GPU") :]
