@@ -22,6 +22,9 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.configs import CATALOGUE  # noqa: E402
+from benchmarks.largest_model import RESULTS_DIR as LARGEST_DIR  # noqa: E402
+from benchmarks.largest_model_report import load as load_largest  # noqa: E402
+from benchmarks.largest_model_report import render_section  # noqa: E402
 from benchmarks.results import import_bundle, load_records  # noqa: E402
 
 __all__ = ["render", "render_run", "console_table", "baseline", "main"]
@@ -338,8 +341,11 @@ def _memory_section(recs: Sequence[dict[str, Any]]) -> list[str]:
     return out
 
 
-def render(records: Sequence[dict[str, Any]], loss_rtol: float = 0.01) -> str:
-    """The whole RESULTS.md: the newest run first."""
+def render(
+    records: Sequence[dict[str, Any]], loss_rtol: float = 0.01, largest: Sequence[dict[str, Any]] = ()
+) -> str:
+    """The whole RESULTS.md: the newest run first; then the largest-model search's own section
+    (`largest`: its JSON-lines records, benchmarks/largest_model.py)."""
     runs: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for r in records:
         runs[str(r.get("run_id"))].append(r)
@@ -364,6 +370,8 @@ def render(records: Sequence[dict[str, Any]], loss_rtol: float = 0.01) -> str:
         out.append("No results yet.")
     for run_id in sorted(runs, reverse=True):
         out += [render_run(runs[run_id], loss_rtol), ""]
+    if largest:
+        out += render_section(largest)
     return "\n".join(out).rstrip() + "\n"
 
 
@@ -411,6 +419,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="JSON-lines bundle to split into --results first",
     )
     p.add_argument("--loss-rtol", type=float, default=0.01)
+    p.add_argument(
+        "--largest-model",
+        type=Path,
+        action="append",
+        help="largest-model search results (default benchmarks/results/largest_model)",
+    )
     p.add_argument("--print", action="store_true", help="also print the short console table")
     a = p.parse_args(argv)
     dirs = a.results or [here / "results"]
@@ -418,7 +432,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         written = import_bundle(bundle, dirs[0])
         print(f"imported {len(written)} records from {bundle} into {dirs[0]}")
     records = load_records(dirs)
-    text = render(records, a.loss_rtol)
+    text = render(records, a.loss_rtol, load_largest(a.largest_model or [LARGEST_DIR]))
     if str(a.out) == "-":
         sys.stdout.write(text)
     else:

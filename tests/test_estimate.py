@@ -122,7 +122,7 @@ def test_offload_moves_terms_to_the_host():
     assert s3.terms["cpu"]["params"] == 2 * psi / n and s3.terms["cpu"]["grads"] == 4 * psi / n
     assert s3.terms["nvme"]["master"] == 4 * psi / n and s3.terms["nvme"]["optimizer_states"] == 8 * psi / n
     # max(2, buffer_count 4) tile buffers of master + states, a tile no larger than the shard
-    assert s3.buffers["cpu"] == {"nvme_optimizer_tiles": 4 * (psi // n) * (4 + 8)}
+    assert s3.buffers["cpu"] == {"nvme_optimizer_tiles": 4 * (psi // n) * (4 + 8), "nvme_param_staging": 2 * (psi // n)}
     # parameters offloaded, optimizer on the GPU: the 16-bit slice lives on the host, the master on the GPU
     p3 = model_state_bytes(psi, n, load_config(_mixed(3, offload_param={"device": "cpu"})))
     assert p3.terms["cpu"] == {"params": 2 * psi / n, "grads": 0.0, "master": 0.0, "optimizer_states": 0.0}

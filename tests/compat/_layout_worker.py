@@ -2,15 +2,19 @@
 
     zerorun --deepspeed-compat --num_gpus 2 --device cpu tests/compat/_layout_worker.py OUTDIR CASE [CASE ...]
 
-A case is ``s{stage}-{fp32|bf16|fp16}``: a small model with tied embedding/head weights, a
+A case is ``s{stage}-{fp32|bf16|fp16}[-2g]``: a small model with tied embedding/head weights, a
 persistent buffer, a non-persistent one and a frozen parameter trains 3 steps, then
-``engine.save_checkpoint(OUTDIR/CASE)`` (zerorun's files + DeepSpeed's) on every rank.
+``engine.save_checkpoint(OUTDIR/CASE)`` (zerorun's files + DeepSpeed's) on every rank; ``-2g``:
+two optimizer param groups (weights with decay, biases without and another lr).
 ``load CASE`` (world 1 or more) loads ``OUTDIR/CASE`` into a fresh engine at stage 2 and writes
-the loaded weights to OUTDIR/CASE-loaded.pt.
+the loaded weights to OUTDIR/CASE-loaded.pt. ``crash CASE`` saves after 3 steps, then trains 3
+more and saves again with rank 0 SIGKILLed just before that save's commit
+(ZERORUN_CHECKPOINT_CRASH=0:before_commit).
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -50,18 +54,28 @@ def config(stage: int, precision: str) -> dict:
     return cfg
 
 
-def train_and_save(case: str) -> None:
+def parameters(model: nn.Module, case: str) -> list:
+    trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if not case.endswith("-2g"):
+        return [p for _, p in trained]
+    return [{"params": [p for n, p in trained if not n.endswith("bias")], "weight_decay": 0.1},
+            {"params": [p for n, p in trained if n.endswith("bias")], "weight_decay": 0.0, "lr": 5e-3}]
+
+
+def train_and_save(case: str, crash: bool = False) -> None:
     stage, precision = int(case[1]), case.split("-")[1]
     torch.manual_seed(0)
     model = Tiny()
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
-                                      config=config(stage, precision))
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=parameters(model, case), config=config(stage, precision))
     g = torch.Generator().manual_seed(10 + engine.global_rank)
-    for _ in range(3):
-        loss = engine(torch.randint(0, 32, (2, 5), generator=g))
-        engine.backward(loss)
-        engine.step()
-    engine.save_checkpoint(str(OUT / case))
+    for attempt in range(2 if crash else 1):
+        for _ in range(3):
+            loss = engine(torch.randint(0, 32, (2, 5), generator=g))
+            engine.backward(loss)
+            engine.step()
+        if attempt == 1:
+            os.environ["ZERORUN_CHECKPOINT_CRASH"] = "0:before_commit"
+        engine.save_checkpoint(str(OUT / case))
     engine.destroy()
 
 
@@ -78,6 +92,8 @@ def load(case: str) -> None:
 
 if CASES[0] == "load":
     load(CASES[1])
+elif CASES[0] == "crash":
+    train_and_save(CASES[1], crash=True)
 else:
     for case in CASES:
         train_and_save(case)

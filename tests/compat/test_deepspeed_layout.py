@@ -1,9 +1,13 @@
 """DeepSpeed's checkpoint files beside zerorun's under --deepspeed-compat
-(runtime/checkpoint/deepspeed_layout.py): 2 real ranks save at stages 0, 1 (bf16) and 3 (fp16)
-through the layer (_layout_worker.py). The files carry DeepSpeed's names and keys; rebuilt the
-way DeepSpeed's zero_to_fp32.py rebuilds them (below: concatenated partitions at stages 1-2, one
-slice per parameter and rank at stage 3) they give exactly zerorun's consolidation; the
-``zero_to_fp32.py`` copied into the save directory runs; and zerorun still loads its own files
+(runtime/checkpoint/deepspeed_layout.py): 2 real ranks save at stages 0, 1 (bf16) and 3 (fp16),
+and with two optimizer param groups at stages 2 (fp32) and 3 (bf16), through the layer
+(_layout_worker.py). The files carry DeepSpeed's names and keys; rebuilt the way DeepSpeed's
+zero_to_fp32.py rebuilds them (below: concatenated partitions per group at stages 1-2, one slice
+per parameter and rank at stage 3) they give exactly zerorun's consolidation; the optimizer
+states read back from them (read_optim_states) are exactly zerorun's masters, moments, steps and
+hyperparameters; a crash just before the commit leaves ``latest`` on the previous tag with the
+DeepSpeed files already in the uncommitted directory (they are written before the commit point);
+the ``zero_to_fp32.py`` copied into the save directory runs; and zerorun still loads its own files
 from there at another world size. DeepSpeed's own script is run on the same cases by
 scripts/deepspeed_layout_check.py (its result: benchmarks/results/deepspeed_layout_check.json)."""
 
@@ -21,7 +25,8 @@ from zerorun.runtime.checkpoint import get_fp32_state_dict
 
 from ._run import PYTHON, env, launch
 
-CASES = ["s0-fp32", "s1-bf16", "s3-fp16"]
+CASES = ["s0-fp32", "s1-bf16", "s3-fp16", "s2-fp32-2g", "s3-bf16-2g"]
+CRASHED = "s2-bf16"
 
 
 @pytest.fixture(scope="module")
@@ -29,6 +34,9 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("layout")
     launch(["--num_gpus", "2", "--device", "cpu", "tests/compat/_layout_worker.py", str(out), *CASES], timeout=240)
     launch(["--num_gpus", "1", "--device", "cpu", "tests/compat/_layout_worker.py", str(out), "load", "s3-fp16"], timeout=240)
+    with pytest.raises(AssertionError, match="exit"):  # rank 0 SIGKILLed itself: the job fails
+        launch(["--num_gpus", "2", "--device", "cpu", "tests/compat/_layout_worker.py", str(out), "crash", CRASHED],
+               timeout=240)
     return out
 
 
@@ -48,20 +56,21 @@ def _rebuild(tag_dir: Path) -> dict[str, torch.Tensor]:
     sd = {k: v.float() for k, v in model["module"].items() if k in model["buffer_names"]}
     if stage <= 2:
         sd.update(model["frozen_param_fragments"] or {})
-        flat = torch.cat([s["single_partition_of_fp32_groups"][0] for s in states])
-        offset = 0
-        for name, shape in model["param_shapes"][0].items():
-            sd[name] = flat.narrow(0, offset, shape.numel()).view(shape)
-            offset += shape.numel()
-        align = 2 * world
-        assert math.ceil(offset / align) * align == math.ceil(flat.numel() / align) * align
+        for g, shapes in enumerate(model["param_shapes"]):
+            flat = torch.cat([s["single_partition_of_fp32_groups"][g] for s in states])
+            offset = 0
+            for name, shape in shapes.items():
+                sd[name] = flat.narrow(0, offset, shape.numel()).view(shape)
+                offset += shape.numel()
+            align = 2 * world
+            assert math.ceil(offset / align) * align == math.ceil(flat.numel() / align) * align
     else:
         ranks = [_load(p) for p in sorted(model_files)]
         for name, shape in (model["frozen_param_shapes"] or {}).items():
             sd[name] = torch.cat([m["frozen_param_fragments"][name] for m in ranks]).narrow(0, 0, shape.numel()).view(shape)
-        flats = [s["fp32_flat_groups"][0] for s in states]
+        flats = [torch.cat(s["fp32_flat_groups"]) for s in states]
         offset = 0
-        for name, shape in model["param_shapes"][0].items():
+        for name, shape in ((n, s) for group in model["param_shapes"] for n, s in group.items()):
             chunk = math.ceil(shape.numel() / world)
             sd[name] = torch.cat([f[offset : offset + chunk] for f in flats])[: shape.numel()].view(shape)
             offset += chunk
@@ -71,8 +80,12 @@ def _rebuild(tag_dir: Path) -> dict[str, torch.Tensor]:
     return sd
 
 
+def _ds_files(tag_dir: Path) -> list[str]:
+    return sorted(p.name for p in tag_dir.iterdir() if not p.name.startswith(("shard_", "rng_")))
+
+
 def test_files_have_deepspeeds_names(saved: Path) -> None:
-    files = {case: sorted(p.name for p in (saved / case / "global_step3").iterdir() if not p.name.startswith(("shard_", "rng_"))) for case in CASES}
+    files = {case: _ds_files(saved / case / "global_step3") for case in CASES}
     zerorun_own = ["engine_state.pt", "zerorun_checkpoint.json"]
     assert files["s0-fp32"] == sorted(["mp_rank_00_model_states.pt", *zerorun_own])
     assert files["s1-bf16"] == sorted([
@@ -88,7 +101,7 @@ def test_files_have_deepspeeds_names(saved: Path) -> None:
         assert (saved / case / "zero_to_fp32.py").is_file()
 
 
-@pytest.mark.parametrize("case", ["s1-bf16", "s3-fp16"])
+@pytest.mark.parametrize("case", ["s1-bf16", "s3-fp16", "s2-fp32-2g", "s3-bf16-2g"])
 def test_deepspeed_reconstruction_equals_zeroruns_consolidation(saved: Path, case: str) -> None:
     want = get_fp32_state_dict(saved / case)
     got = _rebuild(saved / case / "global_step3")
@@ -150,3 +163,63 @@ def test_zerorun_loads_its_own_files_there_at_another_world_size(saved: Path) ->
     for name, value in loaded.items():
         assert torch.equal(value.float().reshape(-1), want[name].float().reshape(-1)), name
 
+
+
+@pytest.mark.parametrize("case", ["s1-bf16", "s3-fp16", "s2-fp32-2g", "s3-bf16-2g"])
+def test_optimizer_states_round_trip(saved: Path, case: str) -> None:
+    from zerorun.runtime.checkpoint import CheckpointReader
+    from zerorun.runtime.checkpoint.deepspeed_layout import read_optim_states
+
+    tag = saved / case / "global_step3"
+    got = read_optim_states(tag)
+    stage = int(case[1])
+    assert got.stage == stage and got.world_size == 2
+    with CheckpointReader(tag) as zr:
+        meta = zr.meta
+        trained = [p.name for p in meta.params if p.requires_grad and zr.has(p.name, "weight")]
+        assert sorted(n for g in got.groups for n in g) == sorted(trained)
+        for name in trained:
+            assert sorted(got.tensors[name]) == ["exp_avg", "exp_avg_sq", "fp32"], name
+            for kind, zr_kind in (("fp32", "weight"), ("exp_avg", "optim.exp_avg"), ("exp_avg_sq", "optim.exp_avg_sq")):
+                want = zr.read_full(name, zr_kind, dtype=torch.float32)
+                assert torch.equal(got.tensors[name][kind].reshape(-1), want), (name, kind)
+            assert got.tensors[name]["exp_avg_sq"].abs().sum() > 0  # trained: real moments, not zeros
+        want_groups = meta.optimizer["param_groups"]
+        assert len(got.groups) == len(want_groups) == (2 if case.endswith("-2g") else 1)
+        for g, hyper in enumerate(got.param_groups):
+            assert hyper["lr"] == want_groups[g]["lr"] and hyper["weight_decay"] == want_groups[g]["weight_decay"]
+            assert float(got.scalars[g]["step"]) == float(meta.optimizer["scalar_state"][g]["step"]) == 3.0
+    if case.endswith("-2g"):  # biases in the second group, weights in the first
+        assert all(n.endswith("bias") for n in got.groups[1]) and not any(n.endswith("bias") for n in got.groups[0])
+
+
+def test_optimizer_file_keys_are_deepspeeds(saved: Path) -> None:
+    s12 = _load(saved / "s2-fp32-2g" / "global_step3" / "zero_pp_rank_1_mp_rank_00_optim_states.pt")["optimizer_state_dict"]
+    assert {"base_optimizer_state", "single_partition_of_fp32_groups", "group_paddings", "partition_count",
+            "zero_stage", "clip_grad", "ds_version"} <= set(s12)
+    assert s12["zero_stage"] == 2 and s12["partition_count"] == [2, 2]
+    base = s12["base_optimizer_state"]
+    for g in (0, 1):  # the rigid form: the padded partition, the padding at the end
+        padded = base["state"][g]["exp_avg"].numel()
+        assert padded == s12["single_partition_of_fp32_groups"][g].numel() + s12["group_paddings"][g]
+        assert padded % 2 == 0 and base["param_groups"][g]["params"] == [g]
+    s3 = _load(saved / "s3-bf16-2g" / "global_step3" / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt")["optimizer_state_dict"]
+    assert {"fp32_flat_groups", "optimizer_state_dict", "partition_count", "zero_stage", "loss_scaler"} <= set(s3)
+    assert s3["partition_count"] == 2 and len(s3["fp32_flat_groups"]) == 2
+    assert [t.numel() for t in s3["fp32_flat_groups"]] == [
+        s3["optimizer_state_dict"]["state"][g]["exp_avg"].numel() for g in (0, 1)
+    ]
+
+
+def test_crash_before_commit_leaves_latest_on_the_previous_complete_tag(saved: Path) -> None:
+    root = saved / CRASHED
+    assert (root / "latest").read_text().strip() == "global_step3"
+    assert not (root / "global_step6").exists()
+    # The DeepSpeed files were in the uncommitted directory before the commit point.
+    assert _ds_files(root / ".tmp-global_step6") == sorted([
+        "mp_rank_00_model_states.pt", "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt",
+        "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt", "engine_state.pt", "zerorun_checkpoint.json",
+    ])
+    assert sorted(p.name for p in (root / "global_step3").glob("*optim_states.pt")) == [
+        "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt", "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt",
+    ]

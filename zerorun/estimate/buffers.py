@@ -87,8 +87,7 @@ def _buffers(
     cpu: dict[str, float] = {}
     # NVMe optimizer offload steps tile by tile (runtime/offload/nvme.py): max(2, buffer_count)
     # host buffer sets of master + states for one tile of sub_group_size elements (rounded up
-    # to 1024, no larger than this rank's shard). Parameters on NVMe are memory-mapped files:
-    # no staging buffers.
+    # to 1024, no larger than this rank's shard). Parameters on NVMe are memory-mapped files.
     if opt_dev == "nvme":
         sub_group = _zero_size(zero, "sub_group_size")
         tile = min(-(-min(sub_group, 2**30) // 1024) * 1024, -(-psi // n))
@@ -97,4 +96,7 @@ def _buffers(
         buffers = zero.offload_optimizer.buffer_count if zero else OffloadOptimizer.model_fields["buffer_count"].default
         count = max(2, buffers)
         cpu["nvme_optimizer_tiles"] = float(count * tile * (bpe.master + bpe.optimizer_states))
+        # The updated parameters go up from a host copy in the parameter dtype, one per shard
+        # (runtime/offload/host_placement.py, stage_on_host: the masters live in reused tiles).
+        cpu["nvme_param_staging"] = float(-(-psi // n) * bpe.params)
     return {"gpu": gpu, "cpu": cpu, "nvme": {}}

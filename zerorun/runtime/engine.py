@@ -18,6 +18,7 @@ branch on the stage.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -365,14 +366,20 @@ class Engine:
         client_state: dict[str, Any] | None = None,
         save_latest: bool = True,
         exclude_frozen_parameters: bool = False,
+        *,
+        before_commit: Callable[[Path, int], None] | None = None,
     ) -> bool:
+        """Collective. `before_commit(tmp_dir, rank)` adds files to the tag before it is committed
+        (checkpoint/sharded.py; compat's DeepSpeed layout)."""
         from zerorun.runtime.checkpoint import engine_view
 
         if self.checkpointing is not None:
             self.checkpointing.wait()  # an asynchronous save still writing
         self.stage.state.synchronize()  # a delayed offload step still running
         self.stage.wait_params()  # the last step's parameter all-gather
-        engine_view.save(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
+        engine_view.save(
+            self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters, before_commit=before_commit
+        )
         return True  # DeepSpeed's return value
 
     def load_checkpoint(

@@ -48,7 +48,9 @@ print("REPORT " + json.dumps(reports))
 def reports(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, dict], str]:
     tmp_path = tmp_path_factory.mktemp("flops")
     out_file = tmp_path / "flops.txt"
-    env = {"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    # The caller's PYTHONPATH stays behind the repo: the GPU machine brings pydantic that way.
+    pythonpath = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    env = {"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", "PYTHONPATH": pythonpath}
     cuda = os.environ.get("ZERORUN_TEST_DEVICE") == "cuda"  # scripts/gpu_checks.sh: CUDA events, a known peak
     if cuda:
         env.update(ZERORUN_DEVICE="cuda", CUDA_VISIBLE_DEVICES=os.environ.get("CUDA_VISIBLE_DEVICES", "0"))

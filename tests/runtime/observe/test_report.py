@@ -10,6 +10,7 @@ timers are CUDA events.
 from __future__ import annotations
 
 import csv
+import importlib.util
 import json
 import os
 import re
@@ -29,6 +30,12 @@ JOB = Path(__file__).resolve().parent / "_observe_job.py"
 STEPS = 5
 
 
+# CI installs both (pyproject's test extra); the GPU machine's image has neither, and what its
+# run checks (scripts/gpu_checks.sh observe_cuda) are the CUDA paths, not the two packages.
+HAS_WANDB = importlib.util.find_spec("wandb") is not None
+HAS_COMET = importlib.util.find_spec("comet_ml") is not None
+
+
 @pytest.fixture(scope="module")
 def job(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     tmp = tmp_path_factory.mktemp("observe")
@@ -43,8 +50,8 @@ def job(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "wall_clock_breakdown": True,
         "csv_monitor": {"enabled": True, "output_path": str(tmp / "csv"), "job_name": "job"},
         "tensorboard": {"enabled": True, "output_path": str(tmp / "tb"), "job_name": "job"},
-        "wandb": {"enabled": True, "project": "zr-test", "group": "g"},
-        "comet": {"enabled": True, "online": False, "project": "p", "workspace": "w", "samples_log_interval": 16},
+        "wandb": {"enabled": HAS_WANDB, "project": "zr-test", "group": "g"},
+        "comet": {"enabled": HAS_COMET, "online": False, "project": "p", "workspace": "w", "samples_log_interval": 16},
         "activation_checkpointing": {"profile": True},
     }
     cfg_path = tmp / "ds.json"
@@ -176,6 +183,7 @@ def _wandb_history(run_file: Path) -> list[dict[str, float]]:
     return out
 
 
+@pytest.mark.skipif(not HAS_WANDB, reason="wandb is not installed")
 def test_wandb_offline_run_has_every_step(job: dict[str, Any]) -> None:
     files = list((job["tmp"] / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(files) == 1, files  # rank 0 only
@@ -185,6 +193,7 @@ def test_wandb_offline_run_has_every_step(job: dict[str, Any]) -> None:
     assert [h["Train/Samples/lr"] for h in history] == pytest.approx([t["lr"] for t in job["truth"]], rel=1e-6)
 
 
+@pytest.mark.skipif(not HAS_COMET, reason="comet-ml is not installed")
 def test_comet_offline_experiment_logs_per_samples_log_interval(job: dict[str, Any]) -> None:
     archives = list((job["tmp"] / "comet").glob("*.zip"))
     assert len(archives) == 1, archives  # rank 0 only

@@ -1,7 +1,10 @@
 """DeepSpeed's checkpoint files beside zerorun's, for the tools that read them.
 
 Under ``--deepspeed-compat`` (``deepspeed.DeepSpeedEngine.save_checkpoint``) every rank adds its
-DeepSpeed files to the tag directory zerorun's save has just committed::
+DeepSpeed files to the temporary tag directory once zerorun's own files are written there, BEFORE
+the save commits (``before_commit`` of checkpoint/sharded.py): the directory is renamed into place
+and ``latest`` moved only when both layouts are complete, so a crash never leaves ``latest``
+naming a half-written DeepSpeed layout::
 
     SAVE_DIR/zero_to_fp32.py                                   the recovery script (rank 0)
     SAVE_DIR/global_step{N}/
@@ -9,29 +12,45 @@ DeepSpeed files to the tag directory zerorun's save has just committed::
         zero_pp_rank_{r}_mp_rank_00_model_states.pt            stage 3 (every rank)
         [bf16_]zero_pp_rank_{r}_mp_rank_00_optim_states.pt     stages 1-3 (every rank)
 
-What they hold (DeepSpeed's keys, what ``zero_to_fp32.py`` and scripts read):
+What they hold (DeepSpeed's keys, what ``zero_to_fp32.py``, DeepSpeed's loader and scripts read):
 
 * model states: ``module`` (stages 0-2: the model's ``state_dict()`` in the compute dtype, as
   DeepSpeed's engine saves it; stage 3: the buffers only, DeepSpeed's partitioned parameters
-  being empty placeholders there), ``buffer_names``, ``param_shapes`` (one group: every
-  trainable parameter in registration order), ``shared_params`` (tied aliases),
+  being empty placeholders there), ``buffer_names``, ``param_shapes`` (one ordered dict per
+  optimizer param group: its trainable parameters in order), ``shared_params`` (tied aliases),
   ``frozen_param_shapes`` / ``frozen_param_fragments`` (frozen parameters in fp32: whole at
   stages 0-2, this rank's ``ceil(numel / world)`` slice at stage 3 -- DeepSpeed writes them only
   from stage 2 and in 16 bits; here ``zero_to_fp32.py`` gives every stage's frozen parameters, in
-  fp32 like the rest), ``ds_version``, ``ds_config``, the step
-  counters;
-* optimizer states: ``optimizer_state_dict`` with ``zero_stage``, ``partition_count`` and this
-  rank's fp32 master weights in DeepSpeed's partitioning -- ``single_partition_of_fp32_groups``
-  (stages 1-2: the rank's contiguous ``1/world`` of all parameters flattened, padded to a
-  multiple of ``2 x world``) or ``fp32_flat_groups`` (stage 3: the rank's ``ceil(numel / world)``
-  slice of each parameter, zero-padded, concatenated).
+  fp32 like the rest), ``ds_version``, ``ds_config``, the step counters;
+* optimizer states (``optimizer_state_dict``), per optimizer param group, in DeepSpeed's
+  partitioning of that group:
 
-The fp32 values are read back from zerorun's own shards (``CheckpointReader``), so they are
-exactly what zerorun's consolidation gives. Not written: Adam's moments and the loss scaler in
-DeepSpeed's form -- resuming, at any world size, uses zerorun's files; DeepSpeed itself cannot
-resume from these. Cost: the fp32 weights once more (4 bytes per parameter over all ranks),
-plus the 16-bit model in rank 0's model states at stages 0-2. Each file is written under a
-temporary name and renamed.
+  - stages 1-2 (DeepSpeed's ``DeepSpeedZeroOptimizer.state_dict()``, rigid form): the group's
+    trainable parameters flattened in order, padded to a multiple of ``2 x world``, cut into
+    ``world`` equal partitions; ``single_partition_of_fp32_groups`` = this rank's partition of
+    the fp32 masters without the padding, ``base_optimizer_state`` = the torch optimizer's
+    ``state_dict()`` over those partitions (``state[g]``: ``step`` and ``exp_avg`` /
+    ``exp_avg_sq`` -- every elementwise state zerorun keeps -- over the padded partition;
+    ``param_groups[g]``: the hyperparameters), ``group_paddings``, ``partition_count``,
+    ``zero_stage``, ``clip_grad``, ``dynamic_loss_scale``, ``overflow``, ``ds_version``;
+  - stage 3 (``DeepSpeedZeroOptimizer_Stage3.state_dict()``): ``fp32_flat_groups`` = per group,
+    this rank's ``ceil(numel / world)`` slice of each parameter, zero-padded, concatenated;
+    ``optimizer_state_dict`` = the torch optimizer's state over those flat groups (same keys);
+    ``partition_count``, ``zero_stage``, ``loss_scaler``, ``dynamic_loss_scale``, ``overflow``.
+
+`read_optim_states` reads these files back into whole per-parameter tensors (DeepSpeed's own
+checkpoints too, where they follow this layout).
+
+Every value is read from zerorun's own shards (``CheckpointReader``), so the fp32 weights are
+exactly what zerorun's consolidation gives and the moments exactly zerorun's. Not written, being
+DeepSpeed objects or bookkeeping that only its live engine has: the loss scaler object
+(``loss_scaler`` is None at stage 3, absent at stages 1-2: DeepSpeed keeps its own),
+``param_slice_mappings`` (universal checkpoints), the lr scheduler; DeepSpeed's stage-3
+sub-groups are one per param group (its default ``sub_group_size`` of 1e9 elements splits
+larger groups). Resuming in zerorun, at any world size, uses zerorun's files. Cost: the fp32
+weights and each optimizer state once more (4 bytes per parameter per state over all ranks), plus
+the 16-bit model in rank 0's model states at stages 0-2. Each file is written under a temporary
+name and renamed.
 """
 
 from __future__ import annotations
@@ -41,12 +60,15 @@ import os
 import shutil
 import stat
 from collections import OrderedDict
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from .format import BUFFER, WEIGHT, dtype_from_name
+from zerorun.errors import CheckpointError
+
+from .format import BUFFER, OPTIM_PREFIX, WEIGHT, CheckpointMeta, dtype_from_name
 from .store import CheckpointReader
 
 __all__ = [
@@ -56,6 +78,8 @@ __all__ = [
     "model_states_file",
     "write_rank_files",
     "copy_recovery_script",
+    "DeepSpeedOptimStates",
+    "read_optim_states",
 ]
 
 DS_VERSION = "0.16.4+zerorun"  # zerorun.compat.COMPAT_VERSION (the runtime does not import compat)
@@ -71,7 +95,7 @@ def model_states_file(rank: int, stage: int) -> str:
     return f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt" if stage == 3 else "mp_rank_00_model_states.pt"
 
 
-def _save(obj: Any, path: Path) -> None:
+def _save(obj: object, path: Path) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     with open(tmp, "wb") as f:
         torch.save(obj, f)
@@ -80,45 +104,109 @@ def _save(obj: Any, path: Path) -> None:
     os.replace(tmp, path)
 
 
-def _stage12_partition(reader: CheckpointReader, names: list[str], rank: int, world: int) -> torch.Tensor:
-    """Rank ``rank``'s contiguous share of every trainable parameter flattened in order."""
-    total = sum(reader.numel(n) for n in names)
-    padded = math.ceil(total / (2 * world)) * 2 * world
-    size = padded // world
-    lo, hi = rank * size, (rank + 1) * size
-    out = torch.zeros(size, dtype=torch.float32)
+def _flat_range(reader: CheckpointReader, kind: str, names: list[str], lo: int, hi: int) -> torch.Tensor:
+    """Elements [lo, hi) of `kind` over `names` flattened one after another (zeros past the end,
+    and where a parameter has no such state)."""
+    out = torch.zeros(hi - lo, dtype=torch.float32)
     offset = 0
     for name in names:
         n = reader.numel(name)
         s, e = max(lo, offset), min(hi, offset + n)
-        if s < e:
-            reader.read_into(name, WEIGHT, s - offset, e - offset, out[s - lo : e - lo])
+        if s < e and reader.has(name, kind):
+            reader.read_into(name, kind, s - offset, e - offset, out[s - lo : e - lo])
         offset += n
     return out
 
 
 def _stage3_slices(
-    reader: CheckpointReader, names: list[str], rank: int, world: int, dtype: torch.dtype | None = None
+    reader: CheckpointReader, names: list[str], rank: int, world: int, kind: str = WEIGHT
 ) -> list[torch.Tensor]:
-    """Rank ``rank``'s ``ceil(numel / world)`` slice of each parameter, zero-padded."""
+    """Rank ``rank``'s ``ceil(numel / world)`` slice of each parameter's `kind`, zero-padded."""
     out = []
     for name in names:
         n = reader.numel(name)
         chunk = math.ceil(n / world)
-        piece = torch.zeros(chunk, dtype=dtype or torch.float32)
+        piece = torch.zeros(chunk, dtype=torch.float32)
         s, e = min(rank * chunk, n), min((rank + 1) * chunk, n)
-        if s < e:
-            reader.read_into(name, WEIGHT, s, e, piece[: e - s])
+        if s < e and reader.has(name, kind):
+            reader.read_into(name, kind, s, e, piece[: e - s])
         out.append(piece)
     return out
 
 
+def _stage12_bounds(total: int, rank: int, world: int) -> tuple[int, int, int]:
+    """DeepSpeed's ZeRO-1/2 partition of a group of `total` elements: (start, size, padding)."""
+    size = (math.ceil(total / (2 * world)) * 2 * world) // world
+    lo = rank * size
+    padding = size if total <= lo else max(0, lo + size - total)
+    return lo, size, padding
+
+
+def _scalars(meta: CheckpointMeta, group: int) -> dict[str, object]:
+    """The group's non-elementwise optimizer state (Adam's ``step``) as torch keeps it."""
+    saved = meta.optimizer.get("scalar_state") or []
+    out: dict[str, object] = {}
+    for key, value in (saved[group] if group < len(saved) else {}).items():
+        out[key] = torch.tensor(float(value)) if key == "step" and isinstance(value, (int, float)) else value
+    return out
+
+
+def _hyper(meta: CheckpointMeta, group: int) -> dict[str, object]:
+    groups = meta.optimizer.get("param_groups") or []
+    out = dict(groups[group] if group < len(groups) else {})
+    if isinstance(out.get("betas"), list):
+        out["betas"] = tuple(out["betas"])
+    return out
+
+
+def _optim_file_contents(
+    reader: CheckpointReader, meta: CheckpointMeta, groups: list[list[str]], rank: int, ds_config: dict[str, object]
+) -> dict[str, object]:
+    world, stage = meta.world_size, meta.stage
+    keys = sorted(k[len(OPTIM_PREFIX) :] for k in reader.kinds() if k.startswith(OPTIM_PREFIX))
+    fp16_cfg = ds_config.get("fp16")
+    dynamic = meta.precision == "fp16" and not (isinstance(fp16_cfg, dict) and fp16_cfg.get("loss_scale"))
+    state: dict[int, dict[str, object]] = {}
+    param_groups: list[dict[str, object]] = []
+    fp32_groups: list[torch.Tensor] = []
+    paddings: list[int] = []
+    for g, names in enumerate(groups):
+        if stage == 3:
+            fp32 = torch.cat(_stage3_slices(reader, names, rank, world)) if names else torch.zeros(0)
+            tensors = {k: torch.cat(_stage3_slices(reader, names, rank, world, OPTIM_PREFIX + k)) for k in keys}
+            fp32_groups.append(fp32)
+        else:
+            total = sum(reader.numel(n) for n in names)
+            lo, size, padding = _stage12_bounds(total, rank, world)
+            fp32 = _flat_range(reader, WEIGHT, names, lo, lo + size)
+            tensors = {k: _flat_range(reader, OPTIM_PREFIX + k, names, lo, lo + size) for k in keys}
+            fp32_groups.append(fp32[: size - padding])
+            paddings.append(padding)
+        state[g] = {**_scalars(meta, g), **tensors} if tensors else {}
+        param_groups.append({**_hyper(meta, g), "params": [g]})
+    base = {"state": {g: s for g, s in state.items() if s}, "param_groups": param_groups}
+    common = {"dynamic_loss_scale": dynamic, "overflow": False, "zero_stage": stage}
+    if stage == 3:
+        return {**common, "loss_scaler": None, "partition_count": world, "optimizer_state_dict": base,
+                "fp32_flat_groups": fp32_groups}
+    clip = ds_config.get("gradient_clipping", 0.0)
+    return {**common, "clip_grad": float(clip) if isinstance(clip, (int, float)) else 0.0,
+            "base_optimizer_state": base, "single_partition_of_fp32_groups": fp32_groups,
+            "group_paddings": paddings, "partition_count": [world] * len(groups), "ds_version": DS_VERSION}
+
+
 def write_rank_files(
-    tag_dir: str | os.PathLike[str], rank: int, *, ds_config: dict[str, Any] | None = None
+    tag_dir: str | os.PathLike[str],
+    rank: int,
+    *,
+    ds_config: dict[str, Any] | None = None,
+    groups: list[list[str]] | None = None,
 ) -> list[Path]:
-    """Write rank ``rank``'s DeepSpeed files into ``tag_dir`` (a committed zerorun checkpoint
-    of any world size; ``rank`` < its world size). Not collective: every rank calls it once the
-    save has committed; returns the files written."""
+    """Write rank ``rank``'s DeepSpeed files into ``tag_dir`` (a zerorun checkpoint of any world
+    size whose files are all written -- the temporary directory of a save before its commit, or
+    a committed tag; ``rank`` < its world size). Not collective: every rank calls it once.
+    ``groups``: the trainable parameters' names per optimizer param group, in order (default:
+    one group of every trainable parameter). Returns the files written."""
     tag_dir = Path(tag_dir)
     written: list[Path] = []
     with CheckpointReader(tag_dir) as reader:
@@ -126,7 +214,12 @@ def write_rank_files(
         world, stage = meta.world_size, meta.stage
         trainable = [p for p in meta.params if p.requires_grad and reader.has(p.name, WEIGHT)]
         frozen = [p for p in meta.params if not p.requires_grad and reader.has(p.name, WEIGHT)]
-        names = [p.name for p in trainable]
+        if groups is None:
+            groups = [[p.name for p in trainable]]
+        known = {p.name: p for p in trainable}
+        unknown = [n for names in groups for n in names if n not in known]
+        if unknown:
+            raise CheckpointError(f"{tag_dir}: DeepSpeed layout: parameters {unknown[:4]} are not trained in the checkpoint")
         buffers = OrderedDict(
             (b.name, reader.read_full(b.name, BUFFER).reshape(b.shape)) for b in meta.buffers if reader.has(b.name, BUFFER)
         )
@@ -134,7 +227,7 @@ def write_rank_files(
         counters = meta.counters
         states: dict[str, Any] = {
             "buffer_names": list(buffers),
-            "param_shapes": [OrderedDict((p.name, torch.Size(p.shape)) for p in trainable)],
+            "param_shapes": [OrderedDict((n, torch.Size(known[n].shape)) for n in names) for names in groups],
             "shared_params": dict(meta.tied),
             "frozen_param_shapes": OrderedDict((p.name, torch.Size(p.shape)) for p in frozen) if frozen else None,
             "frozen_param_fragments": None,
@@ -148,7 +241,7 @@ def write_rank_files(
             "mp_world_size": 1,
             "optimizer": None,
             "lr_scheduler": None,
-            "zerorun_checkpoint": "the zerorun files in this directory hold the optimizer and resume state",
+            "zerorun_checkpoint": "the zerorun files in this directory hold the full resume state",
         }
         if stage == 3:
             states["module"] = buffers
@@ -178,21 +271,9 @@ def write_rank_files(
             path = tag_dir / model_states_file(0, stage)
             _save(states, path)
             written.append(path)
-        if stage >= 1 and names:
-            if stage == 3:
-                groups_key, flat = "fp32_flat_groups", torch.cat(_stage3_slices(reader, names, rank, world))
-                partition_count: Any = world
-            else:
-                groups_key, flat = "single_partition_of_fp32_groups", _stage12_partition(reader, names, rank, world)
-                partition_count = [world]
+        if stage >= 1 and trainable:
             optim = {
-                "optimizer_state_dict": {
-                    "zero_stage": stage,
-                    "partition_count": partition_count,
-                    groups_key: [flat],
-                    "loss_scaler": None,
-                    "overflow": False,
-                },
+                "optimizer_state_dict": _optim_file_contents(reader, meta, groups, rank, ds_config or {}),
                 "ds_config": ds_config,
                 "ds_version": DS_VERSION,
             }
@@ -211,3 +292,101 @@ def copy_recovery_script(save_dir: str | os.PathLike[str]) -> Path:
     os.chmod(tmp, os.stat(tmp).st_mode | stat.S_IEXEC)
     os.replace(tmp, dst)
     return dst
+
+
+@dataclass
+class DeepSpeedOptimStates:
+    """A DeepSpeed-layout checkpoint's optimizer states, whole per parameter (`read_optim_states`)."""
+
+    stage: int
+    world_size: int
+    groups: list[list[str]]  # trainable parameter names per optimizer param group, in order
+    param_groups: list[dict[str, object]]  # hyperparameters per group ("params" left out)
+    scalars: list[dict[str, object]]  # non-elementwise state per group (Adam's "step")
+    tensors: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)  # name -> {"fp32", "exp_avg", ...}
+
+
+def _rank_of(path: Path) -> int:
+    return int(path.name.split("zero_pp_rank_")[1].split("_")[0])
+
+
+def _load(path: Path) -> dict[str, Any]:
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except (OSError, RuntimeError, EOFError, ValueError) as err:
+        raise CheckpointError(f"{path}: cannot read ({err})") from err
+
+
+def read_optim_states(tag_dir: str | os.PathLike[str]) -> DeepSpeedOptimStates:
+    """The fp32 master weights and elementwise optimizer states of a DeepSpeed-layout tag
+    directory (stages 1-3; the files above), reassembled into whole tensors in each parameter's
+    shape: the inverse of `write_rank_files`, for any world size it was written at."""
+    tag_dir = Path(tag_dir)
+    optim_paths = sorted(tag_dir.glob("*zero_pp_rank_*_mp_rank_00_optim_states.pt"), key=_rank_of)
+    model_paths = sorted(tag_dir.glob("*_model_states.pt"))
+    if not optim_paths or not model_paths:
+        raise CheckpointError(f"{tag_dir}: no DeepSpeed optimizer and model state files (stages 1-3 write them)")
+    sds = [_load(p)["optimizer_state_dict"] for p in optim_paths]
+    world, stage = len(sds), int(sds[0]["zero_stage"])
+    if [_rank_of(p) for p in optim_paths] != list(range(world)):
+        raise CheckpointError(f"{tag_dir}: optimizer state files of ranks {[_rank_of(p) for p in optim_paths]}")
+    shapes: list[dict[str, torch.Size]] = _load(model_paths[0])["param_shapes"]
+    if stage == 3:
+        base = [sd["optimizer_state_dict"] for sd in sds]
+        flats = [sd["fp32_flat_groups"] for sd in sds]
+    else:
+        base = [sd["base_optimizer_state"] for sd in sds]
+        flats = [sd["single_partition_of_fp32_groups"] for sd in sds]
+    rigid = isinstance(base[0], dict)
+    per_rank_states = [b["state"] if rigid else dict(enumerate(b)) for b in base]
+    num_groups = len(flats[0])
+    keys = sorted({k for st in per_rank_states for s in st.values() for k, v in s.items() if torch.is_tensor(v) and v.dim() > 0})
+    scalars = [{k: v for k, v in per_rank_states[0].get(g, {}).items() if not (torch.is_tensor(v) and v.dim() > 0)}
+               for g in range(num_groups)]
+    hyper = [{k: v for k, v in pg.items() if k != "params"} for pg in base[0]["param_groups"]] if rigid else []
+    out = DeepSpeedOptimStates(stage, world, [list(s) for s in shapes], hyper, scalars)
+
+    def streams(g: int) -> dict[str, list[torch.Tensor]]:
+        """Per kind ("fp32" + optimizer keys), each rank's piece of group g."""
+        got: dict[str, list[torch.Tensor]] = {"fp32": [f[g].float() for f in flats]}
+        for key in keys:
+            pieces = []
+            for r, st in enumerate(per_rank_states):
+                t = st.get(g, {}).get(key)
+                if t is None:
+                    raise CheckpointError(f"{optim_paths[r]}: no {key!r} state for param group {g}")
+                if stage != 3 and rigid:  # the rigid form keeps the partition's padding
+                    t = t[: flats[r][g].numel()]
+                pieces.append(t.float())
+            got[key] = pieces
+        return got
+
+    if stage == 3:  # each rank: ceil(numel / world) of every parameter, groups one after another
+        names = [(n, shape) for group in shapes for n, shape in group.items()]
+        per_kind: dict[str, list[list[torch.Tensor]]] = {}
+        for g in range(num_groups):
+            for kind, pieces in streams(g).items():
+                ranks = per_kind.setdefault(kind, [[] for _ in range(world)])
+                for r, t in enumerate(pieces):
+                    ranks[r].append(t)
+        for kind, per_rank in per_kind.items():
+            rank_flats = [torch.cat(ts) for ts in per_rank]
+            offset = 0
+            for name, shape in names:
+                chunk = math.ceil(shape.numel() / world)
+                whole = torch.cat([f[offset : offset + chunk] for f in rank_flats])[: shape.numel()]
+                out.tensors.setdefault(name, {})[kind] = whole.view(shape)
+                offset += chunk
+    else:  # each group: the ranks' partitions one after another, parameters in order
+        if len(shapes) != num_groups:
+            raise CheckpointError(f"{tag_dir}: {len(shapes)} param_shapes groups for {num_groups} optimizer groups")
+        for g, group in enumerate(shapes):
+            for kind, pieces in streams(g).items():
+                flat = torch.cat(pieces)
+                offset = 0
+                for name, shape in group.items():
+                    if offset + shape.numel() > flat.numel():
+                        raise CheckpointError(f"{tag_dir}: group {g} holds {flat.numel()} elements, fewer than its shapes")
+                    out.tensors.setdefault(name, {})[kind] = flat[offset : offset + shape.numel()].view(shape)
+                    offset += shape.numel()
+    return out

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -268,9 +269,10 @@ def save(
     client_state: dict[str, Any] | None,
     save_latest: bool,
     exclude_frozen_parameters: bool = False,
+    before_commit: Callable[[Path, int], None] | None = None,
 ) -> Path:
     view = EngineCheckpointView(engine, exclude_frozen=exclude_frozen_parameters)
-    return _save(view, save_dir, tag, client_state, save_latest)
+    return _save(view, save_dir, tag, client_state, save_latest, before_commit=before_commit)
 
 
 def load(engine: Engine, load_dir: str | os.PathLike[str], tag: str | None, **flags: bool) -> tuple[str | None, dict[str, Any] | None]:

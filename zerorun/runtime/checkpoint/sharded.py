@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -117,11 +118,16 @@ def save_checkpoint(
     save_latest: bool = True,
     *,
     rng: dict[str, Any] | None = None,
+    before_commit: Callable[[Path, int], None] | None = None,
 ) -> Path:
     """Collective: every rank calls it. Returns the checkpoint's directory.
 
     `rng`: this rank's RNG states as captured earlier (an asynchronous save's snapshot, written
-    from another thread); default: captured now."""
+    from another thread); default: captured now.
+    `before_commit(tmp_dir, rank)`: called on every rank once every rank's files are in the
+    temporary tag directory (readable there with `CheckpointReader`), before rank 0 renames it
+    into place and moves `latest`: files it adds there (compat's DeepSpeed layout) are committed
+    with the rest or not at all. Its OSError / CheckpointError fails the save like a shard's."""
     comm = _Comm(view)
     meta = view.checkpoint_meta()
     tag = str(tag) if tag is not None else default_tag(meta)
@@ -186,6 +192,19 @@ def save_checkpoint(
         ) from err
     if errors:
         raise CheckpointError(f"checkpoint save to {final} failed: {'; '.join(errors[:4])}; {untouched}")
+    if before_commit is not None:
+        try:
+            before_commit(tmp, comm.rank)
+        except (OSError, CheckpointError) as err:
+            error = f"rank {comm.rank}: {err}"
+        try:
+            errors = [e for e in comm.all_gather_object(error) if e is not None]
+        except RuntimeError as err:
+            raise CheckpointError(
+                f"checkpoint save to {final} failed: a rank stopped while adding its files ({err}); {untouched}"
+            ) from err
+        if errors:
+            raise CheckpointError(f"checkpoint save to {final} failed: {'; '.join(errors[:4])}; {untouched}")
 
     # Phase 3: rank 0 commits: rename into place, then `latest`.
     if comm.rank == 0:

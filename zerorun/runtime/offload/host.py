@@ -16,18 +16,75 @@ On the CPU every copy is synchronous and events are ``None``.
 
 from __future__ import annotations
 
+import mmap
 import threading
+from collections.abc import Callable
 
 import torch
 
-__all__ = ["Copier", "host_empty", "tiles"]
+__all__ = ["Copier", "host_empty", "registered_empty", "tiles", "EXACT_PIN_MIN_BYTES"]
+
+
+# Page-locked buffers at least this large are allocated at their exact size (below). PyTorch's
+# pinned allocator (`pin_memory=True`) rounds every request up to a power of two -- a 0.8 GB
+# master shard takes 1 GiB, ~1.3x the model states on the host (the largest model one machine
+# trains is bounded by host memory) -- and caches freed blocks; small buffers keep using it.
+EXACT_PIN_MIN_BYTES = 16 * 1024**2
+
+
+class _RegisteredBuffer(mmap.mmap):
+    """Anonymous memory of exactly the requested pages, page-locked with cudaHostRegister and
+    unregistered before it is unmapped: the tensor made over it (`torch.frombuffer`) holds
+    this object, so it lives exactly as long as the tensor's storage (views included)."""
+
+    _unregister: Callable[[int], object] | None = None
+    _ptr = 0
+
+    def __del__(self) -> None:
+        if self._unregister is not None and self._ptr:
+            self._unregister(self._ptr)
+            self._ptr = 0
+
+
+def _cudart_register(ptr: int, nbytes: int) -> bool:
+    # note: pins nbytes now (the pages are faulted in and locked, counted against ulimit -l)
+    return int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)) == 0
+
+
+def _cudart_unregister(ptr: int) -> object:
+    try:
+        return torch.cuda.cudart().cudaHostUnregister(ptr)
+    except Exception:  # interpreter shutdown: the CUDA runtime (or torch) is already gone
+        return None
+
+
+def registered_empty(
+    numel: int,
+    dtype: torch.dtype,
+    register: Callable[[int, int], bool] = _cudart_register,
+    unregister: Callable[[int], object] = _cudart_unregister,
+) -> torch.Tensor | None:
+    """A 1-D host tensor of exactly ``numel`` elements (rounded up to whole pages) page-locked
+    by ``register``; None when registering fails (the caller falls back)."""
+    nbytes = max(numel * torch.empty((), dtype=dtype).element_size(), 1)
+    buf = _RegisteredBuffer(-1, -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE)
+    t = torch.frombuffer(buf, dtype=dtype, count=numel) if numel else torch.empty(0, dtype=dtype)
+    ptr = t.data_ptr() if numel else 0
+    if not numel or not register(ptr, len(buf)):
+        return None
+    buf._ptr, buf._unregister = ptr, unregister
+    return t
 
 
 def host_empty(numel: int, dtype: torch.dtype, *, pin: bool) -> torch.Tensor:
     """A 1-D host tensor; page-locked when ``pin`` (only meaningful with a CUDA device: pinned
     memory makes copies truly asynchronous and about twice as fast, and counts against
-    ``ulimit -l``)."""
+    ``ulimit -l``). Large pinned buffers take exactly their size (EXACT_PIN_MIN_BYTES)."""
     if pin and torch.cuda.is_available():
+        if numel * torch.empty((), dtype=dtype).element_size() >= EXACT_PIN_MIN_BYTES:
+            exact = registered_empty(numel, dtype)
+            if exact is not None:
+                return exact
         return torch.empty(numel, dtype=dtype, pin_memory=True)
     return torch.empty(numel, dtype=dtype)
 

@@ -21,6 +21,7 @@ import contextlib
 import os
 from collections import OrderedDict
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -295,37 +296,28 @@ class DeepSpeedEngine(nn.Module):
         save_latest: bool = True,
         exclude_frozen_parameters: bool = False,
     ) -> bool:
-        """zerorun's checkpoint, then DeepSpeed's files beside it (tools read them:
-        ``zero_to_fp32.py``, ``module`` in ``mp_rank_00_model_states.pt``;
-        runtime/checkpoint/deepspeed_layout.py). Collective."""
-        done = self._engine.save_checkpoint(save_dir, tag, client_state or {}, save_latest, exclude_frozen_parameters)
-        self._write_deepspeed_layout(save_dir, str(tag) if tag is not None else f"global_step{self.global_steps}")
-        return done
+        """zerorun's checkpoint with DeepSpeed's files beside it (tools read them:
+        ``zero_to_fp32.py``, ``module`` in ``mp_rank_00_model_states.pt``, the optimizer states;
+        runtime/checkpoint/deepspeed_layout.py), both written before the save commits: ``latest``
+        never names a tag whose DeepSpeed files are incomplete. Collective."""
+        return self._engine.save_checkpoint(
+            save_dir, tag, client_state or {}, save_latest, exclude_frozen_parameters,
+            before_commit=self._write_deepspeed_layout,
+        )
 
-    def _write_deepspeed_layout(self, save_dir: str, tag: str) -> None:
-        from pathlib import Path
+    def _param_group_names(self) -> list[list[str]]:
+        """The trainable parameters' names per optimizer param group, in the engine's order."""
+        groups: dict[int, list[str]] = {}
+        for layout in self._engine.stage.state.layouts:
+            groups.setdefault(layout.group, []).extend(slot.name for slot in layout.slots)
+        return [groups.get(g, []) for g in range(len(self._engine.optimizer.param_groups))]
 
-        from zerorun.errors import CheckpointError
+    def _write_deepspeed_layout(self, tmp_tag_dir: Path, rank: int) -> None:
         from zerorun.runtime.checkpoint import deepspeed_layout
 
-        comm = self._engine.comm
-        error = None
-        try:  # zerorun's save has committed the tag on every rank when it returns
-            deepspeed_layout.write_rank_files(Path(save_dir) / tag, comm.rank, ds_config=self._config)
-            if comm.rank == 0:
-                deepspeed_layout.copy_recovery_script(save_dir)
-        except (OSError, CheckpointError) as err:
-            error = f"rank {comm.rank}: {err}"
-        errors = [error]
-        if comm.world_size > 1:
-            errors = [None] * comm.world_size
-            torch.distributed.all_gather_object(errors, error, group=comm.group)
-        errors = [e for e in errors if e is not None]
-        if errors:
-            raise CheckpointError(
-                f"DeepSpeed-layout files for {Path(save_dir) / tag} failed ({'; '.join(errors[:4])}); "
-                "zerorun's own checkpoint there is complete and loads"
-            )
+        deepspeed_layout.write_rank_files(tmp_tag_dir, rank, ds_config=self._config, groups=self._param_group_names())
+        if rank == 0:
+            deepspeed_layout.copy_recovery_script(tmp_tag_dir.parent)
 
     def load_checkpoint(
         self,
