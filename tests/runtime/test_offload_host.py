@@ -40,19 +40,19 @@ def test_a_failed_registration_returns_none_and_nothing_to_unregister() -> None:
 
 
 def test_host_empty_on_a_cpu_only_machine_is_plain_memory() -> None:
-    t = host.host_empty(host.EXACT_PIN_MIN_BYTES, torch.float32, pin=True)
+    t = host.host_empty(host.EXACT_PIN_MIN_BYTES, torch.float32, pin=True, lasting=True)
     assert t.numel() == host.EXACT_PIN_MIN_BYTES and (torch.cuda.is_available() or not t.is_pinned())
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (scripts/gpu_checks.sh)")
 def test_exact_pinned_buffer_on_cuda_copies_asynchronously() -> None:
     n = host.EXACT_PIN_MIN_BYTES // 4 + 3
-    t = host.host_empty(n, torch.float32, pin=True)
+    t = host.host_empty(n, torch.float32, pin=True, lasting=True)
     assert t.numel() == n and t.is_pinned()
     t.copy_(torch.arange(n, dtype=torch.float32))
     d = torch.empty(n, device="cuda")
     d.copy_(t, non_blocking=True)
-    back = host.host_empty(n, torch.float32, pin=True)
+    back = host.host_empty(n, torch.float32, pin=True, lasting=True)
     back.copy_(d, non_blocking=True)
     torch.cuda.synchronize()
     assert torch.equal(back, t)
@@ -61,5 +61,5 @@ def test_exact_pinned_buffer_on_cuda_copies_asynchronously() -> None:
     gc.collect()
     # Unregistered: registering the same (now unmapped or reused) range again does not report
     # "already registered" for a buffer we allocate fresh.
-    again = host.host_empty(n, torch.float32, pin=True)
+    again = host.host_empty(n, torch.float32, pin=True, lasting=True)
     assert again.is_pinned() and isinstance(ptr, int)

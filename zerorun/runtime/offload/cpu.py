@@ -24,7 +24,7 @@ class CpuPlacement(HostPlacement):
     partial_ok = True  # Twin-Flow (offload_optimizer.ratio < 1)
 
     def _new_master(self, index: int, numel: int, fp32_init: Callable[[], torch.Tensor]) -> torch.Tensor:
-        master = host_empty(numel, torch.float32, pin=self.pin)
+        master = host_empty(numel, torch.float32, pin=self.pin, lasting=True)
         with torch.no_grad():
             master.copy_(fp32_init())
         return master

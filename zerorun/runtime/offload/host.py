@@ -76,12 +76,14 @@ def registered_empty(
     return t
 
 
-def host_empty(numel: int, dtype: torch.dtype, *, pin: bool) -> torch.Tensor:
+def host_empty(numel: int, dtype: torch.dtype, *, pin: bool, lasting: bool = False) -> torch.Tensor:
     """A 1-D host tensor; page-locked when ``pin`` (only meaningful with a CUDA device: pinned
     memory makes copies truly asynchronous and about twice as fast, and counts against
-    ``ulimit -l``). Large pinned buffers take exactly their size (EXACT_PIN_MIN_BYTES)."""
+    ``ulimit -l``). A ``lasting`` buffer (kept for the run: masters, gradients, staging,
+    parameter shards) of EXACT_PIN_MIN_BYTES or more takes exactly its size; short-lived ones
+    use PyTorch's caching pinned allocator (registering memory costs time on every allocation)."""
     if pin and torch.cuda.is_available():
-        if numel * torch.empty((), dtype=dtype).element_size() >= EXACT_PIN_MIN_BYTES:
+        if lasting and numel * torch.empty((), dtype=dtype).element_size() >= EXACT_PIN_MIN_BYTES:
             exact = registered_empty(numel, dtype)
             if exact is not None:
                 return exact

@@ -177,12 +177,12 @@ class HostPlacement(ShardPlacement):
         master = self._new_master(index, n, fp32_init)
         staging = None
         if self.stage_on_host:
-            staging = host_empty(n, param_shard.dtype, pin=self.pin)
+            staging = host_empty(n, param_shard.dtype, pin=self.pin, lasting=True)
             with torch.no_grad():
                 staging.copy_(master)
         parts = tiles(n, self._tile_size())
         self.masters.append(master)
-        self.grads.append(host_empty(n, torch.float32, pin=self.pin))
+        self.grads.append(host_empty(n, torch.float32, pin=self.pin, lasting=True))
         self.staging.append(staging)
         self.tiles.append(parts)
         self._grad_ev.append([None] * len(parts))

@@ -50,7 +50,7 @@ class HostParamStore(ParamShardStore):
         if self._files is not None:
             shard = self._files.create_typed(f"param{key}", numel, dtype)
         else:
-            shard = host_empty(numel, dtype, pin=self.pin)
+            shard = host_empty(numel, dtype, pin=self.pin, lasting=True)
             shard.zero_()
         self._shards[key] = shard
         return shard
