@@ -123,9 +123,36 @@ def test_deepspeed_launcher_options_map_onto_zeroruns() -> None:
         "slurm", "--slurm-args", "--time 1:00:00", "t.py"]
     assert translate(["--num-gpus=2", "t.py"])[0] == ["--deepspeed-compat", "--num_gpus", "2", "t.py"]
     assert translate(["--force_multi", "t.py"])[1]  # said, not silently dropped
-    for bad, why in (("--ssh_port", "~/.ssh/config"), ("--launcher=mvapich", "not supported"),
-                     ("--autotuning", "autotuner"), ("--bogus", "not one zerorun maps")):
+    for bad, why in (("--launcher=mvapich", "not supported"), ("--autotuning", "autotuner"),
+                     ("--bogus", "not one zerorun maps")):
         with pytest.raises(LauncherArgsError, match=why):
-            translate([bad, "2222", "t.py"] if bad == "--ssh_port" else [bad, "t.py"])
+            translate([bad, "t.py"])
     with pytest.raises(LauncherArgsError, match="no script"):
         translate(["--num_gpus", "2"])
+
+
+def test_deepspeed_short_options_and_ssh_port_map_onto_zeroruns() -> None:
+    # DeepSpeed's runner: -H/--hostfile, -i/--include, -e/--exclude (argparse: "-H f" or "-Hf"), --ssh_port.
+    args, notes = translate(["-H", "hf", "-i", "w1:0,1@w2", "--ssh_port", "2222", "train.py", "-i", "x", "-H", "y"])
+    assert args == ["--deepspeed-compat", "--hostfile", "hf", "--include", "w1:0,1@w2", "--ssh_port", "2222",
+                    "train.py", "-i", "x", "-H", "y"] and notes == []  # the script's own -i/-H untouched
+    assert translate(["-Hhf", "-e=w1:3", "--ssh_port=22", "t.py"])[0] == [
+        "--deepspeed-compat", "--hostfile", "hf", "--exclude", "w1:3", "--ssh_port", "22", "t.py"]
+    with pytest.raises(LauncherArgsError, match="-e needs a value|--exclude needs a value"):
+        translate(["-e"])
+
+
+def test_deepspeed_command_reaches_the_selected_node_on_its_ssh_port(tmp_path: Path) -> None:
+    """The `deepspeed` command, as `zerorun compat install` puts it, with DeepSpeed's -H, -i and
+    --ssh_port: zerorun's launcher connects to the one node the selector keeps, on that port (9,
+    closed here: the refusal names host and port, and nothing starts)."""
+    (tmp_path / "hostfile").write_text("nodeA slots=1\n127.0.0.2 slots=1\n")
+    (tmp_path / "t.py").write_text("print('started')\n")
+    proc = subprocess.run(
+        [sys.executable, "-c", "import sys; from zerorun.compat.deepspeed_command import main; sys.exit(main())",
+         "-H", str(tmp_path / "hostfile"), "-i", "127.0.0.2", "--ssh_port", "9", str(tmp_path / "t.py")],
+        cwd=ROOT, env=env(ZERORUN_SSH_CONNECT_TIMEOUT="2"), capture_output=True, text=True, timeout=60,
+    )
+    assert proc.returncode != 0 and "started" not in proc.stdout
+    assert "127.0.0.2 (127.0.0.2:9)" in proc.stderr, proc.stderr  # the port given, not 22
+    assert "nodeA" not in proc.stderr and "Nothing was started" in proc.stderr

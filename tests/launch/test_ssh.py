@@ -36,6 +36,20 @@ def test_ssh_config_is_honoured(tmp_path: Path) -> None:
     assert other.known_hosts_name == "plain-host" and other.display == "plain-host"
 
 
+def test_ssh_port_option_sets_every_nodes_port(tmp_path: Path) -> None:
+    """--ssh-port (DeepSpeed's --ssh_port) wins over ~/.ssh/config's Port, for every node."""
+    from zerorun.launch.remote import ssh_options_from
+
+    cfg = tmp_path / "config"
+    cfg.write_text("Host gpu1\n  HostName 10.1.2.3\n  Port 2200\n")
+    options = ssh_options_from(LaunchOptions(target=Target(script="t.py"), ssh_port=2222))
+    assert options.port == 2222 and ssh_options_from(LaunchOptions(target=Target(script="t.py"))).port is None
+    for alias, hostname in (("gpu1", "10.1.2.3"), ("plain", "plain")):
+        t = resolve_target(alias, SshOptions(ssh_config=str(cfg), port=2222))
+        assert (t.hostname, t.port, t.known_hosts_name) == (hostname, 2222, f"[{hostname}]:2222")
+    assert resolve_target("gpu1", SshOptions(ssh_config=str(cfg))).port == 2200
+
+
 def test_bad_port_in_ssh_config(tmp_path: Path) -> None:
     cfg = tmp_path / "config"
     cfg.write_text("Host x\n  Port twenty\n")
@@ -84,5 +98,11 @@ def test_refused_connection_names_the_host(tmp_path: Path, monkeypatch: pytest.M
     cfg = tmp_path / "config"
     cfg.write_text(f"Host closed-node\n  HostName 127.0.0.1\n  Port {port}\n  ConnectTimeout 3\n")
     monkeypatch.setenv("HOME", str(tmp_path))
-    with pytest.raises(LaunchError, match=rf"cannot reach closed-node \(127.0.0.1:{port}\): .*Nothing was started"):
-        connect_nodes(["closed-node"], SshOptions(ssh_config=str(cfg)))
+    with pytest.raises(LaunchError) as err:
+        connect_nodes(["closed-node"], SshOptions(ssh_config=str(cfg), retry_backoff_s=0.01))
+    # One node fails as many do: the table (launch/fanout.py), the fix in its own column.
+    head, columns, row, last = str(err.value).splitlines()
+    assert head == "SSH failed on 1 node: 1 unreachable" and columns.split() == ["node", "problem", "tries", "what", "fix"]
+    assert row.split()[:3] == ["closed-node", "unreachable", "3"]  # refused: retried
+    assert f"cannot reach closed-node (127.0.0.1:{port}): " in row and "Check the name/address in the hostfile" in row
+    assert last == "Nothing was started."

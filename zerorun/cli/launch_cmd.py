@@ -103,6 +103,10 @@ def launch(
         None, "--ssh-connect-timeout", metavar="SECONDS", min=0.1,
         help="Per-node SSH connect timeout (default: ConnectTimeout from ~/.ssh/config, else 10).",
     ),
+    ssh_port: Optional[int] = typer.Option(  # noqa: UP045
+        None, "--ssh-port", metavar="PORT", min=1, max=65535,
+        help="SSH port of every node (default: Port from ~/.ssh/config, else 22; DeepSpeed's --ssh_port).",
+    ),
     remote_python: Optional[str] = typer.Option(None, "--remote-python", metavar="PATH", help="Python on the nodes (default: this one's path)."),  # noqa: UP045
     remote_cwd: Optional[str] = typer.Option(None, "--remote-cwd", metavar="DIR", help="Working directory on the nodes (default: this cwd)."),  # noqa: UP045
     env: Optional[list[str]] = typer.Option(  # noqa: UP045
@@ -209,6 +213,7 @@ def launch(
         ssh_accept_new_hosts=ssh_accept_new_hosts,
         ssh_parallelism=ssh_parallelism,
         ssh_connect_timeout=ssh_connect_timeout,
+        ssh_port=ssh_port,
         remote_python=remote_python,
         remote_cwd=remote_cwd,
         env=tuple(env or ()),

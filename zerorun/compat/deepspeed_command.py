@@ -17,8 +17,9 @@ def main(argv: list[str] | None = None) -> int:
     if args in (["-h"], ["--help"]):
         sys.stdout.write(
             "deepspeed [launcher options] SCRIPT [args]: zerorun's launcher with --deepspeed-compat "
-            "(zerorun compat install). Options: --hostfile, --include, --exclude, --num_gpus, --num_nodes, "
-            "--master_addr, --master_port, --no_local_rank, --module, --launcher pdsh|openmpi|slurm, "
+            "(zerorun compat install). Options: -H/--hostfile, -i/--include, -e/--exclude, --num_gpus, "
+            "--num_nodes, --master_addr, --master_port, --ssh_port, --no_local_rank, --module, "
+            "--launcher pdsh|openmpi|slurm, "
             "--launcher_args; `zerorun --help` lists zerorun's own.\n"
         )
         return 0

@@ -3,7 +3,9 @@ this): ``deepspeed [launcher options] SCRIPT [script args]`` becomes
 ``zerorun --deepspeed-compat [zerorun options] SCRIPT [script args]``. Pure, stdlib only.
 
 DeepSpeed's launcher options that zerorun has under the same name pass through (zerorun accepts
-both spellings of every option). The others are mapped (``--launcher pdsh`` -> ``ssh``,
+both spellings of every option; DeepSpeed's short ``-H`` / ``-i`` / ``-e`` are ``--hostfile`` /
+``--include`` / ``--exclude``, ``--ssh_port`` is zerorun's ``--ssh-port``: the port of every
+node). The others are mapped (``--launcher pdsh`` -> ``ssh``,
 ``openmpi`` -> ``mpi``, ``--launcher_args`` -> ``--slurm-args`` / ``--mpi-args``) or refused with
 what to do instead -- never dropped silently.
 """
@@ -16,12 +18,13 @@ __all__ = ["LauncherArgsError", "translate"]
 _SAME: dict[str, bool] = {
     "--hostfile": True, "--include": True, "--exclude": True, "--num_gpus": True, "--num_nodes": True,
     "--master_port": True, "--master_addr": True, "--module": False, "--no_local_rank": False,
-    "--node_rank": True,
+    "--node_rank": True, "--ssh_port": True,
 }
+# DeepSpeed's short options (its runner's argparse): -H FILE, -i SELECTOR, -e SELECTOR.
+_SHORT = {"-H": "--hostfile", "-i": "--include", "-e": "--exclude"}
 _LAUNCHERS = {"pdsh": "ssh", "ssh": "ssh", "openmpi": "mpi", "slurm": "slurm"}
 _IGNORED_FLAGS = {"--force_multi", "--enable_each_rank_log"}  # meaningless or default in zerorun (said on stderr)
 _REFUSED: dict[str, str] = {
-    "--ssh_port": "set the port for the hosts in ~/.ssh/config (Host NAME / Port N), which zerorun's SSH reads",
     "--no_python": "zerorun runs Python scripts and modules only",
     "--no_ssh_check": "zerorun checks every node before starting ranks; there is no switch",
     "--elastic_training": "elastic training is not supported by zerorun",
@@ -43,6 +46,11 @@ class LauncherArgsError(ValueError):
 
 
 def _split(arg: str) -> tuple[str, str | None]:
+    for short, long in _SHORT.items():
+        if arg == short:
+            return long, None
+        if arg.startswith(short) and not arg.startswith("--"):  # -Hhostfile, as argparse takes it
+            return long, arg[len(short) :].removeprefix("=")
     if arg.startswith("--") and "=" in arg:
         name, value = arg.split("=", 1)
         return name.replace("-", "_").replace("__", "--", 1), value

@@ -94,6 +94,7 @@ class LaunchOptions:
     ssh_accept_new_hosts: bool = False
     ssh_parallelism: int | None = None  # connections opened at once (None: ZERORUN_SSH_PARALLELISM or 32)
     ssh_connect_timeout: float | None = None  # per node (None: ConnectTimeout from ~/.ssh/config, else 10 s)
+    ssh_port: int | None = None  # every node's SSH port (None: Port from ~/.ssh/config, else 22)
     remote_python: str | None = None
     remote_cwd: str | None = None
     env: tuple[str, ...] = ()  # --env KEY=VAL / KEY, verbatim

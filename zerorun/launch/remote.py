@@ -186,6 +186,7 @@ def ssh_options_from(options: LaunchOptions) -> SshOptions:
         heartbeat_timeout_s=heartbeat_timeout(),
         parallelism=int(parallelism or SshOptions.parallelism),
         connect_timeout=connect,
+        port=options.ssh_port,
     )
 
 

@@ -60,6 +60,7 @@ class SshOptions:
     remote_cwd: str | None = None  # default: the launcher's cwd
     accept_new_hosts: bool = False
     connect_timeout: float | None = None  # default: ConnectTimeout from ~/.ssh/config, else 10 s
+    port: int | None = None  # every node's SSH port, over ~/.ssh/config's Port (--ssh-port; DeepSpeed's --ssh_port)
     heartbeat_s: float = 1.0
     heartbeat_timeout_s: float = 10.0
     ssh_config: str | None = None  # default: ~/.ssh/config
@@ -106,7 +107,7 @@ def resolve_target(alias: str, options: SshOptions) -> SshTarget:
         except Exception as err:  # paramiko raises several types for a bad file
             raise LaunchError(f"cannot read ssh config {path}: {err}") from err
     try:
-        port = int(cfg.get("port", 22))
+        port = options.port or int(cfg.get("port", 22))
     except ValueError:
         raise LaunchError(f"{path}: Port {cfg.get('port')!r} for host {alias} is not a number.") from None
     timeout = options.connect_timeout
