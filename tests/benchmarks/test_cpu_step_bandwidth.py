@@ -29,3 +29,22 @@ def test_cpu_step_bandwidth_record(tmp_path: Path) -> None:
     assert steps["total"] == sum(v["bytes"] for k, v in steps.items() if k != "total") == 36
     assert steps["adam_read"]["bytes"] + steps["adam_write"]["bytes"] == 28
     assert "STREAM best" in done.stdout
+
+
+def test_cpu_step_bandwidth_sweep(tmp_path: Path) -> None:
+    """--sweep: one child per (threads, pin mode), each pinned as asked; the variants timed."""
+    out = tmp_path / "sweep.json"
+    cmd = [sys.executable, str(REPO / "benchmarks" / "cpu_step_bandwidth.py"), "--sweep", "1", "--pin", "none,affinity",
+           "--numel", "64K", "--rounds", "1", "--variants", "--out", str(out)]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    rec = json.loads(out.read_text())
+    assert [(r["threads"], r["pin"]) for r in rec["summary"]] == [(1, "none"), (1, "affinity")]
+    none, affinity = rec["runs"]
+    assert none["pinned_cores"] is None and len(affinity["pinned_cores"]) == 1
+    variants = {"tiles_1M", "tiles_4M", "tiles_on_worker_thread", "tiles_4M_then_cast_bf16", "bf16_grad_widened_256K"}
+    assert variants | {"zerorun_tiles", "fused_whole"} == set(affinity["adam"])
+    assert affinity["adam"]["bf16_grad_widened_256K"]["bytes_per_element"] == 26
+    assert rec["summary"][1]["zerorun_tiles_GBps"] > 0 and "wrote" in done.stdout
+    bad = subprocess.run([*cmd[:4], "--pin", "wild"], capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert bad.returncode != 0 and "unknown mode 'wild'" in bad.stderr + bad.stdout
