@@ -3,6 +3,7 @@ traceback and nothing started; `--dry-run` prints the plan (no ranks are started
 
 from __future__ import annotations
 
+import os
 import socket
 from pathlib import Path
 
@@ -235,3 +236,40 @@ def test_launcher_slurm_outside_an_allocation_reruns_the_given_command_secrets_s
     assert "salloc --nodes=2 " in line
     assert line.endswith("-m zerorun --launcher slurm --num_nodes 2 --dry-run train.py --hf_token <redacted>"), line
     assert "hf_s3cr3tvalue" not in out + err
+
+
+def test_config_launcher_slurm_obtains_the_allocation_like_the_flag(
+    job: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`launcher: {launcher: slurm, num_nodes: 2}` in the config takes the salloc path as
+    `--launcher slurm --num_nodes 2` does; the command line wins over the config; SLURM_JOBID
+    alone (the older name) counts as being inside an allocation, as SLURM_JOB_ID does."""
+    for name in [k for k in os.environ if k.startswith("SLURM_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    (job.parent / "job.yaml").write_text("zero_optimization: {stage: 1}\nlauncher: {launcher: slurm, num_nodes: 2}\n")
+
+    def salloc_line(args: list[str]) -> str | None:
+        code, out, err = _launch(args, capsys)
+        assert code == 0, err
+        return next((x for x in err.splitlines() if "obtaining one" in x), None)
+
+    flag = salloc_line(["--launcher", "slurm", "--num_nodes", "2", "--dry-run", "train.py"])
+    config = salloc_line(["--dry-run", "--config", "job.yaml", "train.py"])
+    assert flag is not None and config is not None
+    assert "salloc --nodes=2 " in flag and "salloc --nodes=2 " in config
+    assert config.endswith("-m zerorun --dry-run --config job.yaml train.py"), config  # the same command, inside
+    # The command line wins: --launcher local (or --num_nodes 3) over the config's values.
+    assert salloc_line(["--launcher", "local", "--num_nodes", "1", "--dry-run", "--config", "job.yaml", "train.py"]) is None
+    assert "salloc --nodes=3 " in (salloc_line(["--num_nodes", "3", "--dry-run", "--config", "job.yaml", "train.py"]) or "")
+
+    # Inside an allocation known only by SLURM_JOBID: the slurm launcher plans its nodes, no salloc.
+    monkeypatch.setenv("SLURM_JOBID", "4711")
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "gpu[01-02]")
+    monkeypatch.setenv("SLURM_TASKS_PER_NODE", "1(x2)")
+    for args in (["--launcher", "slurm", "--device", "cpu"], ["--config", "job.yaml", "--device", "cpu"]):
+        code, out, err = _launch([*args, "--dry-run", "train.py"], capsys)
+        assert code == 0, err
+        assert "obtaining one" not in err and "launcher slurm" in err, err
+        assert "gpu01" in out and "gpu02" in out, out
+    assert not (job.parent / "STARTED").exists()

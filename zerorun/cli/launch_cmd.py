@@ -320,11 +320,16 @@ def main() -> None:
 @report_errors
 def _run(options: LaunchOptions) -> int:
     """The job's exit code: 0 after a dry run, otherwise the supervisor's (Contract 5)."""
-    from zerorun.launch.job import plan_job
+    from zerorun.launch.job import plan_job, with_config_launcher
+    from zerorun.launch.slurm_env import slurm_job_id
 
     try:
-        if options.launcher == "slurm" and not os.environ.get("SLURM_JOB_ID"):
-            return _in_new_allocation(options)
+        if slurm_job_id(os.environ) is None:
+            # `--launcher slurm` (or the config's `launcher: slurm`; the command line wins) on a
+            # login node: obtain the allocation first.
+            merged = options if options.launcher is not None else with_config_launcher(options)
+            if merged.launcher == "slurm":
+                return _in_new_allocation(merged)
         if options.dry_run:
             from zerorun.launch.dry_run import format_dry_run
 

@@ -42,7 +42,7 @@ if TYPE_CHECKING:
     from zerorun.config.batch import Rebatch
     from zerorun.config.loader import LoadedConfig
 
-__all__ = ["PlannedJob", "plan_job", "run_job"]
+__all__ = ["PlannedJob", "plan_job", "run_job", "with_config_launcher"]
 
 
 @dataclass(frozen=True)
@@ -263,11 +263,20 @@ def _prepare_nodes(job: PlannedJob) -> tuple[LaunchPlan, list[NodeRunner]]:
     return job.plan, [local.LocalRunner(job.plan, node) for node in job.plan.nodes]
 
 
+def with_config_launcher(options: LaunchOptions) -> LaunchOptions:
+    """The options with the config's `launcher:` section merged under the command line, as
+    `plan_job` will run them; for decisions taken before planning (`--launcher slurm` from a
+    login node obtains its allocation first). The config's notes are left to `plan_job`."""
+    section, config_dir = _load_config(options, quiet=True)[3:]
+    return options.merged(section, base_dir=config_dir)
+
+
 def _load_config(
-    options: LaunchOptions,
+    options: LaunchOptions, *, quiet: bool = False
 ) -> tuple[LoadedConfig | None, str | None, str | None, dict[str, Any], Path | None]:
     """Validate the config before anything starts: (the loaded config, its path as given, its
-    JSON for the ranks, the `launcher:` section as the user gave it, the config's directory)."""
+    JSON for the ranks, the `launcher:` section as the user gave it, the config's directory).
+    Warnings and notes go to stderr unless `quiet`."""
     path = options.config
     in_script = find_config_argument(options.target.args)
     if path is None and in_script is not None:
@@ -280,9 +289,9 @@ def _load_config(
     from zerorun.config import load_config
 
     loaded = load_config(path, resume_from=options.resume_from)
-    for w in loaded.warnings:
+    for w in [] if quiet else loaded.warnings:
         _note(f"config {path}: warning: {w}")
-    for n in loaded.notices:
+    for n in [] if quiet else loaded.notices:
         _note(f"config {path}: {n}")
     section = loaded.config.launcher.model_dump(exclude_unset=True)
     return loaded, str(path), loaded.to_json(), section, Path(path).resolve().parent

@@ -32,6 +32,7 @@ __all__ = [
     "expand_counts",
     "SlurmEnv",
     "read_slurm_env",
+    "slurm_job_id",
 ]
 
 # A name may not be absurdly long; a range may not expand into millions of hosts by a typo.
@@ -229,9 +230,15 @@ def _int_var(environ: Mapping[str, str], name: str, *, minimum: int = 0) -> int 
     return value
 
 
+def slurm_job_id(environ: Mapping[str, str]) -> str | None:
+    """The allocation this process runs in, if any: SLURM_JOB_ID, or SLURM_JOBID (the older
+    name, which Slurm still sets beside it and some site wrappers set alone)."""
+    return environ.get("SLURM_JOB_ID") or environ.get("SLURM_JOBID") or None
+
+
 def read_slurm_env(environ: Mapping[str, str]) -> SlurmEnv:
     """Parse the Slurm variables of `environ`; a malformed value raises LaunchError naming it."""
-    job_id = environ.get("SLURM_JOB_ID") or environ.get("SLURM_JOBID") or None
+    job_id = slurm_job_id(environ)
     nodelist_name = next((n for n in ("SLURM_JOB_NODELIST", "SLURM_NODELIST") if environ.get(n)), None)
     nodes: tuple[str, ...] = ()
     if nodelist_name is not None:
