@@ -14,6 +14,8 @@ only on GPU jobs, which need it to pick the device):
 - connects the event channel (`zerorun.channel.events`), reports an uncaught exception as an
   `error` event, and sends a `memory` event every `zerorun.memory_report_interval` seconds of
   the config (default 5; `ZERORUN_MEMORY_REPORT_INTERVAL` overrides it) and at exit;
+- started by srun or the user's own mpirun (no RANK), exports the torchrun variables from the
+  scheduler's (`runtime/world.py`), MASTER_ADDR included;
 - on GPU jobs calls `torch.cuda.set_device(LOCAL_RANK // ZERORUN_RANKS_PER_GPU)`;
 - with `ZERORUN_DEEPSPEED_COMPAT=1` (`zerorun --deepspeed-compat`) makes `import deepspeed`
   resolve to zerorun's compatibility layer (`zerorun.compat`, stdlib-only until imported).
@@ -68,6 +70,7 @@ def main(argv: list[str] | None = None) -> None:
         # Programs this rank starts must not take some unrelated descriptor with that number
         # for the channel.
         os.environ.pop(events.ENV_VAR, None)
+    _adopt_scheduler_ranks()
     _select_device()
     if os.environ.get("ZERORUN_DEEPSPEED_COMPAT") == "1":
         # `zerorun --deepspeed-compat`: `import deepspeed` is zerorun's layer (Contract 8).
@@ -245,6 +248,22 @@ def _kill_leftovers(run_id: str, rank: str, pgid: int) -> None:
 
 
 # --- device and memory --------------------------------------------------------------------
+
+
+def _adopt_scheduler_ranks() -> None:
+    """Started by srun or the user's own mpirun (no RANK): export the torchrun variables, the
+    master included (`runtime/world.py`: rank 0's host from PMIx on several hosts), so a script
+    written for torchrun runs unchanged. Nothing to do under zerorun or torchrun."""
+    if "RANK" in os.environ:
+        return
+    from zerorun.errors import ZerorunError
+    from zerorun.runtime.world import torchrun_env
+
+    try:
+        os.environ.update(torchrun_env(os.environ))
+    except ZerorunError as err:
+        print(f"zerorun: {err}", file=sys.stderr)
+        sys.exit(1)
 
 
 def _select_device() -> None:

@@ -1,4 +1,5 @@
-"""Fake hosts for multi-node tests: network namespaces on a private bridge, each with its own sshd.
+"""Fake hosts for multi-node tests: network namespaces on a private bridge, each with its own sshd,
+host name (`nodeI`, a UTS namespace) and /etc/hosts naming every node (a mount namespace).
 
 Everything lives on a private test subnet (10.77.K.0/24) that exists only inside this machine:
 no default route, nothing leaves it. Names carry a per-run id; a state file per run
@@ -211,6 +212,11 @@ def _build(fabric: Fabric, num_nodes: int) -> None:
     sh("ip", "addr", "add", f"{fabric.subnet}.1/24", "dev", fabric.bridge)
     sh("ip", "link", "set", fabric.bridge, "up")
     ssh_config: list[str] = []
+    hosts = base / "hosts"  # every fake host's /etc/hosts (see below)
+    hosts.write_text(
+        "127.0.0.1 localhost\n::1 localhost ip6-localhost\n"
+        + "".join(f"{fabric.subnet}.{10 + i} node{i}\n" for i in range(1, num_nodes + 1))
+    )
     for i in range(1, num_nodes + 1):
         node = Node(
             index=i,
@@ -263,12 +269,16 @@ def _build(fabric: Fabric, num_nodes: int) -> None:
         log = open(base / f"sshd_{i}.log", "wb")  # noqa: SIM115 - lives as long as sshd
         # Each fake host also gets its own PID namespace (and /proc): what a node's agent sees
         # and kills is that node's processes only, as on a real cluster. sshd is its PID 1,
-        # so killing it (or unshare, via --kill-child) takes the whole fake host down.
+        # so killing it (or unshare, via --kill-child) takes the whole fake host down. And its
+        # own host name (UTS namespace: `nodeI`, what socket.gethostname() says there) with an
+        # /etc/hosts bind-mounted in its own mount namespace that resolves every node's name to
+        # its address, so host-name-based logic (rank 0's host as the master) really runs.
+        init = f"hostname {node.alias} && mount --bind {hosts} /etc/hosts && exec {SSHD} -D -e -f {cfg}"
         node.sshd = subprocess.Popen(
             [
                 "ip", "netns", "exec", node.netns,
-                "unshare", "--pid", "--fork", "--mount-proc", "--kill-child",
-                SSHD, "-D", "-e", "-f", str(cfg),
+                "unshare", "--uts", "--mount", "--pid", "--fork", "--mount-proc", "--kill-child",
+                "sh", "-c", init,
             ],  # fmt: skip
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -308,6 +318,14 @@ def _build(fabric: Fabric, num_nodes: int) -> None:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"sshd in {node.netns} does not accept connections on {node.addr}:22")
             time.sleep(0.1)
+
+
+def add_names(fabric: Fabric, names: dict[str, list[str]]) -> None:
+    """More names for fake hosts (address -> names), as a cluster's DNS would give them (a
+    Kubernetes pod's `job-0.service`): appended to the hosts file every node has bind-mounted as
+    its /etc/hosts (in place, so the mounts see it)."""
+    with open(fabric.dir / "hosts", "a") as fh:
+        fh.writelines(f"{addr} {' '.join(aliases)}\n" for addr, aliases in names.items())
 
 
 def destroy(fabric: Fabric) -> None:

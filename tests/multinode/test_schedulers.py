@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -16,6 +17,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import mn_fabric
 import pytest
 import slurm_fabric
 from mn_helpers import SCRIPT, Launch, describe, launcher_env, run_launcher, wait_clean
@@ -257,3 +259,87 @@ def test_restarts_under_slurm(cluster, slurm, tmp_path: Path) -> None:  # type: 
     assert re.search(r"attempt 2: rank node2:1 was killed \(signal 9", out), out
     left = wait_clean(slurm.nodes, 10)
     assert not left, describe(left)
+
+
+def test_user_started_mpirun_finds_rank0s_host(cluster, reference, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """`mpirun -H node1:2,node2:2 -np 4 ...` started by the user (one process per rank, no
+    zerorun launcher, no MASTER_ADDR): ranks from OMPI_COMM_WORLD_*, the master from the PMIx
+    server (rank 0's host name, which every fake host has its own of and resolves), a port from
+    the job's namespace. Once through the shim (a torchrun-style script: init_process_group from
+    the torchrun variables the shim exports), once without it (zerorun's own process group)."""
+    home = cluster.home / ".ssh"
+    rsh = f"ssh -F {home / 'config'} -o BatchMode=yes -o UserKnownHostsFile={home / 'known_hosts'}"
+    conf = tmp_path / "zero3.yaml"
+    conf.write_text(ZERO_CONFIG)
+    env = launcher_env(cluster, OMPI_MCA_plm_rsh_agent=rsh, MN_MODE="zero", MN_CONFIG=str(conf))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).parents[2]), env.get("PYTHONPATH")]))
+    forward = [a for name in ("OMP_NUM_THREADS", "TORCH_CPP_LOG_LEVEL", "PYTHONPATH", "MN_MODE", "MN_CONFIG")
+               for a in ("-x", name)]
+    head = ["mpirun", "--allow-run-as-root", "-np", "4", "-H", "node1:2,node2:2", "--bind-to", "none",
+            "--tag-output", *forward]
+    runs = {
+        "shim": [*head, sys.executable, "-m", "zerorun.shim", str(SCRIPT)],
+        "initialize": [*head, "-x", "MN_INIT", sys.executable, str(SCRIPT)],
+    }
+    for how, argv in runs.items():
+        proc = subprocess.run(argv, capture_output=True, text=True, env={**env, "MN_INIT": "zerorun"},
+                              cwd=tmp_path, timeout=120)
+        out = proc.stdout + proc.stderr
+        assert proc.returncode == 0, f"{how}:\n{out}"
+        for rank in range(4):
+            host = f"node{rank // 2 + 1}"
+            assert re.search(rf"\[1,{rank}\]<stdout>:INFO rank={rank} world=4 .*host={host} master=node1$", out, re.M), \
+                f"{how}:\n{out}"
+        losses = {int(m[1]): m[2] for m in re.finditer(r"\[1,(\d)\]<stdout>:ZSTEP 29 loss (\S+)", out)}
+        assert losses == reference, f"{how}:\n{out}"
+    assert not wait_clean(cluster.nodes[:2], 10)
+
+
+def test_kubernetes_manifests_train_like_ssh(cluster, reference, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Each manifest of templates/kubernetes/, without a cluster: its pods (names, environment,
+    command as the controllers set them: tests/launch/k8s_pods.py) on two fake hosts, each pod's
+    exact container command run over ssh in its working directory with that environment, the
+    pods' DNS names resolving to their hosts. The 4-rank ZeRO-3 job trains with the losses of
+    the same job over SSH."""
+    sys.path.insert(0, str(Path(__file__).parents[1] / "launch"))
+    import k8s_pods
+
+    nodes = cluster.nodes[:2]
+    home = cluster.home / ".ssh"
+    ssh = ["ssh", "-F", str(home / "config"), "-o", "BatchMode=yes", "-o", f"UserKnownHostsFile={home / 'known_hosts'}"]
+    bin_dir = str(Path(sys.executable).parent)
+    for manifest in sorted(k8s_pods.TEMPLATES.glob("*.yaml")):
+        pods = k8s_pods.pods(manifest)
+        assert len(pods) == len(nodes), manifest.name
+        mn_fabric.add_names(cluster, {n.addr: [p.hostname, *p.dns_names] for n, p in zip(nodes, pods, strict=True)})
+        workdir = tmp_path / manifest.stem  # the image's workingDir
+        workdir.mkdir()
+        (workdir / "train.py").write_text(SCRIPT.read_text())
+        (workdir / "ds_config.json").write_text(
+            '{"train_micro_batch_size_per_gpu": 16, "gradient_accumulation_steps": 1, '
+            '"optimizer": {"type": "AdamW", "params": {"lr": 0.02}}, "zero_optimization": {"stage": 3}}'
+        )
+        procs = []
+        for node, pod in zip(nodes, pods, strict=True):
+            # The pod's environment, plus what the image would provide (PATH) and the test's script mode.
+            env = {**pod.env, "PATH": f"{bin_dir}:/usr/bin:/bin", "OMP_NUM_THREADS": "1", "MN_MODE": "zero",
+                   "TORCH_CPP_LOG_LEVEL": "ERROR", "HOME": "/root"}
+            remote = f"cd {shlex.quote(str(workdir))} && exec env {shlex.join(f'{k}={v}' for k, v in env.items())} " \
+                     + shlex.join(pod.command)
+            procs.append(subprocess.Popen([*ssh, node.alias, remote], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                          stdin=subprocess.DEVNULL, text=True))
+        outs = []
+        for proc in procs:
+            try:
+                outs.append(proc.communicate(timeout=150)[0])
+            except subprocess.TimeoutExpired:
+                for p in procs:
+                    p.kill()
+                raise AssertionError(f"{manifest.name}: a pod did not finish") from None
+        out = re.sub(r"\] +", "] ", outs[0])
+        assert [p.returncode for p in procs] == [0, 0], f"{manifest.name}:\n" + "\n---\n".join(outs)
+        assert "zerorun: launcher pernode: auto:" in out, out
+        losses = {int(m[1]): m[2] for m in re.finditer(r"\[[\w.-]+:(\d)\] ZSTEP 29 loss (\S+)", out)}
+        assert losses == reference, f"{manifest.name}:\n{out}"
+        left = wait_clean(nodes, 10)
+        assert not left, describe(left)

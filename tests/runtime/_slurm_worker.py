@@ -12,7 +12,9 @@ from torch import nn
 
 import zerorun
 
-assert "RANK" not in os.environ and "MASTER_ADDR" not in os.environ
+# srun gave only SLURM_*; the shim exported torchrun's variables from them (runtime/world.py),
+# the master being the node list's first host.
+assert os.environ["RANK"] == os.environ["SLURM_PROCID"] and os.environ["MASTER_ADDR"] == "127.0.0.1"
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(6, 9), nn.Tanh(), nn.Linear(9, 2))
 config = {

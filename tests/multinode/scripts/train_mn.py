@@ -4,7 +4,8 @@ Reports, on stdout, what the tests check: where it runs, which variables arrived
 the loss, and whether every rank ends with the same weights. Behaviour is chosen through
 variables the test sends with --env (they are not travelling prefixes, so they arrive only
 because the launcher sent them): MN_MARKER (a file created at start: proves a rank started),
-MN_MODE=train|zero|loop|fail, MN_FAIL_RANK, MN_FAIL_CODE.
+MN_MODE=train|zero|loop|fail, MN_FAIL_RANK, MN_FAIL_CODE, MN_INIT=zerorun (the process group
+from zerorun's own discovery instead of init_process_group's env://), MN_CONFIG.
 """
 
 import hashlib
@@ -21,7 +22,14 @@ if os.environ.get("MN_MARKER"):
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-dist.init_process_group("gloo")
+if os.environ.get("MN_INIT") == "zerorun":
+    # The process group zerorun.initialize would create, from whatever launcher started us
+    # (a user's own mpirun: ranks from OMPI_*/PMIx, rank 0's host from the PMIx server).
+    from zerorun.runtime.distributed import init_distributed
+
+    init_distributed()
+else:
+    dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
 
 
@@ -31,11 +39,11 @@ def digest(name: str) -> str:
 
 
 print(
-    f"INFO rank={rank} world={world} local_rank={os.environ['LOCAL_RANK']} "
-    f"local_world={os.environ['LOCAL_WORLD_SIZE']} node_rank={os.environ['NODE_RANK']} "
+    f"INFO rank={rank} world={world} local_rank={os.environ.get('LOCAL_RANK')} "
+    f"local_world={os.environ.get('LOCAL_WORLD_SIZE')} node_rank={os.environ.get('NODE_RANK')} "
     f"ifname={os.environ.get('GLOO_SOCKET_IFNAME')} nccl_debug={os.environ.get('NCCL_DEBUG')} "
     f"named_secret={digest('MN_API_TOKEN')} unnamed_secret={digest('NCCL_SECRET_TOKEN')} "
-    f"host={socket.gethostname()}",
+    f"host={socket.gethostname()} master={os.environ.get('MASTER_ADDR')}",
     flush=True,
 )
 print("ARGV " + repr(sys.argv[1:]), flush=True)
@@ -49,7 +57,10 @@ if mode == "zero":
     print(f"CONFIG_ENV from_config={os.environ.get('MN_FROM_CONFIG')} host_value={os.environ.get('MN_HOST_VALUE')}", flush=True)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
-    engine, _, _, _ = zerorun.initialize(model=model, model_parameters=model.parameters())
+    # MN_CONFIG: a config file for a job no zerorun launcher started (else ZERORUN_CONFIG_JSON).
+    engine, _, _, _ = zerorun.initialize(
+        model=model, model_parameters=model.parameters(), config=os.environ.get("MN_CONFIG")
+    )
     gen = torch.Generator().manual_seed(100)
     true_w = torch.arange(8, dtype=torch.float32).unsqueeze(1) / 8
     for step in range(30):
@@ -61,6 +72,12 @@ if mode == "zero":
             print(f"ZSTEP {step} loss {loss.item():.6f}", flush=True)
     dist.barrier()
     dist.destroy_process_group()
+    if os.environ.get("MN_INIT") == "zerorun":
+        # Run without the shim (a user's own mpirun): skip the interpreter's C++ teardown, in
+        # which torch 2.13's gloo aborts now and then ("terminate called without an active
+        # exception", SIGABRT), as the shim's own exit does (shim._finish).
+        sys.stdout.flush()
+        os._exit(0)
     sys.exit(0)
 
 torch.manual_seed(0)
