@@ -1,34 +1,90 @@
-"""Launcher overhead: zerorun vs torchrun, and the console's throughput. Not a test.
+"""Launcher overhead: zerorun vs torchrun, measured in one interleaved harness. Not a test.
 
-    .venv/bin/python -m benchmarks.launch_overhead [--repeats 3] [--out benchmarks/results/launch_overhead.json]
+    .venv/bin/python -m benchmarks.launch_overhead output  [--repeats 7] [--ranks 4] [--lines 100000]
+    .venv/bin/python -m benchmarks.launch_overhead startup [--repeats 3] [--sizes 1,2,4,8]
 
-1. Start-up: wall time from the command's start to every rank's first line on the launcher's
-   stdout, for 1/2/4/8 CPU ranks, zerorun and torchrun in the same run (interleaved, median of
-   the repeats). Two rank programs: `bare` prints at once (pure launcher cost) and `torch`
-   imports torch first (what a training script pays; the launcher's share is the difference).
-2. Console throughput: 4 ranks each print N lines as fast as they can through zerorun's plain
-   console (stdout is a pipe this benchmark drains). Reported: lines/s reaching the console,
-   the ranks' own time to write their lines compared with writing them to /dev/null without a
-   launcher (the ranks must not be slowed: the launcher reads their pipes in a thread of its
-   own and queues), and the launcher's peak RSS (the queue's cost when the console lags).
+Each command rewrites its own section of `benchmarks/results/launch_overhead.json` (with the
+date, the machine and its load) and keeps the other section.
+
+`output`: a chatty rank. N ranks each print L lines (~75 bytes) as fast as `print` goes and
+report, in a file of their own (not through the streams being measured), the wall and CPU
+seconds of their printing loop (final flush included) and their process's total CPU. The same
+rank program runs in every mode:
+
+    devnull          ranks started by the harness, stdout to /dev/null (the floor)
+    pipe_cat         ranks started by the harness, stdout to one pipe drained by `cat`
+    torchrun         `torchrun --standalone` (ranks inherit its stdout: the pipe to `cat`)
+    torchrun_tee3    `torchrun --standalone --tee 3 --log-dir D` (ranks write files, torchrun tails them)
+    zerorun          `zerorun --num_gpus N`, stdout a pipe to `cat` (the plain console)
+    zerorun_log      the same with `--log-dir D` (every line also written to rankN.log)
+    torchrun_tty     torchrun with a terminal (pty drained by `cat`) as stdout/stderr
+    zerorun_tty      zerorun with a terminal: its default (rich) console with the live panel
+
+Every repeat runs every mode once, in an order rotated by one each repeat (ABC.., BC..A, ...),
+after one discarded warm-up round, so a change of machine load or a cold cache hits every
+mode alike. Reported per mode: median and spread over the repeats of the slowest rank's write
+wall time, the ranks' write CPU time, the job's wall time (start to exit, output drained) and
+the launcher's CPU (the launcher process tree's CPU from wait4 minus the ranks' own CPU).
+
+Why the earlier numbers had /dev/null slower than a pipe: each baseline was one sample taken
+once, before the other, at a load average of 13-18 on 2 cores; the write time then measures
+mostly the wait for a core (100,000 lines take ~0.2 s of CPU; those samples took 4.4 s).
+Here every mode gets the same load in turn, the warm-up round is dropped, and the write CPU
+time (which waiting does not inflate) is reported beside the wall time.
+
+`startup`: wall time from the command's start to every rank's first line on the launcher's
+stdout, for 1/2/4/8 CPU ranks, zerorun and torchrun interleaved (median of the repeats). Rank
+program `bare` prints at once (pure launcher cost); `torch` imports torch first.
 """
 
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import os
 import platform
+import pty
+import resource
+import shutil
 import statistics
+import struct
 import subprocess
 import sys
 import tempfile
-import threading
+import termios
 import time
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
+RESULTS = REPO / "benchmarks" / "results" / "launch_overhead.json"
+
+OUTPUT_MODES = (
+    "devnull",
+    "pipe_cat",
+    "torchrun",
+    "torchrun_tee3",
+    "zerorun",
+    "zerorun_log",
+    "torchrun_tty",
+    "zerorun_tty",
+)
+
+_FLOOD = """import json, os, resource, sys, time
+n = int(os.environ["ZR_LINES"])
+rank = os.environ.get("RANK", "0")
+line = f"rank {rank} " + "x" * 60
+t0, c0 = time.perf_counter(), time.process_time()
+for i in range(n):
+    print(line, i)
+sys.stdout.flush()
+dt, dc = time.perf_counter() - t0, time.process_time() - c0
+ru = resource.getrusage(resource.RUSAGE_SELF)
+with open(os.path.join(os.environ["ZR_RESULT_DIR"], f"rank{rank}.json"), "w") as fh:
+    json.dump({"write_s": dt, "write_cpu_s": dc, "cpu_s": ru.ru_utime + ru.ru_stime}, fh)
+"""
 
 _BARE = """import os, sys
 sys.stdout.write(f"first {os.environ['RANK']}\\n"); sys.stdout.flush()
@@ -37,37 +93,174 @@ _TORCH = """import os, sys
 import torch  # noqa: F401
 sys.stdout.write(f"first {os.environ['RANK']}\\n"); sys.stdout.flush()
 """
-_FLOOD = """import os, sys, time
-n = int(os.environ["ZR_LINES"])
-rank = os.environ.get("RANK", "0")
-line = f"rank {rank} " + "x" * 60
-t0 = time.perf_counter()
-for i in range(n):
-    print(line, i)
-dt = time.perf_counter() - t0
-sys.stdout.flush()
-print(f"WRITE_SECONDS {dt:.4f}", file=sys.stderr, flush=True)
-"""
 
 
-def _env() -> dict[str, str]:
+def _env(**extra: str) -> dict[str, str]:
     env = dict(os.environ)
-    env.update({"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "TORCH_CPP_LOG_LEVEL": "ERROR"})
+    env.update({"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "TORCH_CPP_LOG_LEVEL": "ERROR", **extra})
     env.pop("CUDA_VISIBLE_DEVICES", None)
+    env.pop("PYTHONUNBUFFERED", None)
     return env
 
 
-def _command(launcher: str, nproc: int, script: Path) -> list[str]:
+def _launcher_command(launcher: str, nproc: int, script: Path) -> list[str]:
     if launcher == "zerorun":
         return [sys.executable, "-m", "zerorun", "--num_gpus", str(nproc), str(script)]
     return [str(BIN / "torchrun"), "--standalone", f"--nproc_per_node={nproc}", str(script)]
+
+
+# --- output: a chatty rank ------------------------------------------------------------------
+
+
+def _cpu_of(rusage: Any) -> float:
+    return float(rusage.ru_utime + rusage.ru_stime)
+
+
+def _wait4(pid: int) -> tuple[int, float]:
+    """Exit status and the CPU of the process and every descendant it waited for."""
+    _, status, rusage = os.wait4(pid, 0)
+    return os.waitstatus_to_exitcode(status), _cpu_of(rusage)
+
+
+def _terminal() -> tuple[int, int]:
+    """A pty of 50 rows x 160 columns: (master, slave)."""
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 160, 0, 0))
+    return master, slave
+
+
+def run_output_mode(mode: str, nproc: int, lines: int, script: Path, work: Path) -> dict[str, Any]:
+    """One run of one mode; every figure of it."""
+    results = work / "results"
+    shutil.rmtree(results, ignore_errors=True)
+    results.mkdir(parents=True)
+    logs = work / "logs"
+    shutil.rmtree(logs, ignore_errors=True)
+    env = _env(ZR_LINES=str(lines), ZR_RESULT_DIR=str(results))
+    tty = mode.endswith("_tty")
+    if tty:
+        master, sink_w = _terminal()
+        drain = subprocess.Popen(["cat"], stdin=master, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        os.close(master)
+        out_fd = err_fd = sink_w
+    elif mode == "devnull":
+        drain = None
+        sink_w = os.open(os.devnull, os.O_WRONLY)
+        out_fd, err_fd = sink_w, sink_w
+    else:
+        r, sink_w = os.pipe()
+        drain = subprocess.Popen(["cat"], stdin=r, stdout=subprocess.DEVNULL)
+        os.close(r)
+        out_fd, err_fd = sink_w, sink_w
+    base = mode.removesuffix("_tty")
+    if base in ("devnull", "pipe_cat"):
+        argvs = [[sys.executable, str(script)] for _ in range(nproc)]
+        envs = [{**env, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(nproc)} for r in range(nproc)]
+    else:
+        launcher = "zerorun" if base.startswith("zerorun") else "torchrun"
+        argv = _launcher_command(launcher, nproc, script)
+        if base == "torchrun_tee3":
+            argv[1:1] = ["--tee", "3", "--log-dir", str(logs)]
+        elif base == "zerorun_log":
+            argv[3:3] = ["--log-dir", str(logs)]
+        argvs, envs = [argv], [env]
+    t0 = time.perf_counter()
+    procs = [
+        subprocess.Popen(a, env=e, stdin=subprocess.DEVNULL, stdout=out_fd, stderr=err_fd, start_new_session=True)
+        for a, e in zip(argvs, envs, strict=True)
+    ]
+    os.close(sink_w)
+    codes, tree_cpu = [], 0.0
+    for p in procs:
+        code, cpu = _wait4(p.pid)
+        p.returncode = code
+        codes.append(code)
+        tree_cpu += cpu
+    exited = time.perf_counter()
+    drain_cpu = 0.0
+    if drain is not None:
+        try:
+            _, drain_cpu = _wait4(drain.pid)
+            drain.returncode = 0
+        except ChildProcessError:
+            pass
+    done = time.perf_counter()
+    ranks = [json.loads((results / f"rank{r}.json").read_text()) for r in range(nproc)]
+    if any(codes) or len(ranks) != nproc:
+        raise RuntimeError(f"{mode}: exit codes {codes}, {len(ranks)} of {nproc} ranks reported")
+    rank_cpu = sum(r["cpu_s"] for r in ranks)
+    return {
+        "mode": mode,
+        "write_s_max": max(r["write_s"] for r in ranks),
+        "write_s": [round(r["write_s"], 4) for r in ranks],
+        "write_cpu_s": [round(r["write_cpu_s"], 4) for r in ranks],
+        "job_wall_s": done - t0,
+        "launcher_exit_s": exited - t0,
+        # The launcher's own CPU: the tree's minus the ranks'; 0 when the harness starts the ranks.
+        "launcher_cpu_s": max(0.0, tree_cpu - rank_cpu) if len(procs) == 1 else 0.0,
+        "drain_cpu_s": drain_cpu,
+        "load_avg": round(os.getloadavg()[0], 2),
+    }
+
+
+def _spread(values: list[float]) -> dict[str, float]:
+    return {
+        "median": round(statistics.median(values), 4),
+        "min": round(min(values), 4),
+        "max": round(max(values), 4),
+    }
+
+
+def output(repeats: int, nproc: int, lines: int, modes: tuple[str, ...]) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        script = work / "flood.py"
+        script.write_text(_FLOOD)
+        runs: list[dict[str, Any]] = []
+        warmup = [run_output_mode(m, nproc, lines, script, work) for m in modes]
+        for rep in range(repeats):
+            order = modes[rep % len(modes) :] + modes[: rep % len(modes)]
+            for mode in order:
+                row = run_output_mode(mode, nproc, lines, script, work)
+                row["repeat"] = rep
+                runs.append(row)
+                print(
+                    f"  repeat {rep} {mode:14s} write {row['write_s_max']:.3f} s (cpu "
+                    f"{max(row['write_cpu_s']):.3f}), job {row['job_wall_s']:.2f} s, launcher cpu "
+                    f"{row['launcher_cpu_s']:.2f} s, load {row['load_avg']}",
+                    flush=True,
+                )
+    summary = {}
+    for mode in modes:
+        rows = [r for r in runs if r["mode"] == mode]
+        summary[mode] = {
+            "rank_write_s_slowest": _spread([r["write_s_max"] for r in rows]),
+            "rank_write_cpu_s_slowest": _spread([max(r["write_cpu_s"]) for r in rows]),
+            "job_wall_s": _spread([r["job_wall_s"] for r in rows]),
+            "launcher_cpu_s": _spread([r["launcher_cpu_s"] for r in rows]),
+            "launcher_cpu_us_per_line": round(
+                statistics.median(r["launcher_cpu_s"] for r in rows) * 1e6 / (nproc * lines), 2
+            ),
+        }
+    return {
+        "ranks": nproc,
+        "lines_per_rank": lines,
+        "repeats": repeats,
+        "modes": list(modes),
+        "summary": summary,
+        "warmup_discarded": [{k: v for k, v in r.items() if k != "write_s"} for r in warmup],
+        "runs": runs,
+    }
+
+
+# --- start-up -------------------------------------------------------------------------------
 
 
 def time_to_first_lines(launcher: str, nproc: int, script: Path, timeout: float = 180) -> float:
     """Seconds from Popen to the moment every rank's first line was read."""
     t0 = time.perf_counter()
     proc = subprocess.Popen(
-        _command(launcher, nproc, script),
+        _launcher_command(launcher, nproc, script),
         env=_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
@@ -95,182 +288,95 @@ def time_to_first_lines(launcher: str, nproc: int, script: Path, timeout: float 
     return elapsed
 
 
-def startup(repeats: int, sizes: list[int], tmp: Path) -> list[dict[str, object]]:
+def startup(repeats: int, sizes: list[int]) -> list[dict[str, object]]:
     rows = []
-    for kind, source in (("bare", _BARE), ("torch", _TORCH)):
-        # Not "torch.py": the script's directory comes first on sys.path, so `import torch`
-        # would import the script itself.
-        script = tmp / f"prog_{kind}.py"
-        script.write_text(source)
-        for nproc in sizes:
-            samples: dict[str, list[float]] = {"zerorun": [], "torchrun": []}
-            load_before = os.getloadavg()[0]
-            for _ in range(repeats):
-                for launcher in ("zerorun", "torchrun"):  # interleaved: same machine load
-                    samples[launcher].append(time_to_first_lines(launcher, nproc, script))
-            row = {
-                "program": kind,
-                "ranks": nproc,
-                **{f"{k}_s": round(statistics.median(v), 3) for k, v in samples.items()},
-                **{f"{k}_min_s": round(min(v), 3) for k, v in samples.items()},
-                # 1-minute load average (2 cores: above 2 means the numbers include waiting)
-                "load_avg": [round(load_before, 1), round(os.getloadavg()[0], 1)],
-                **{f"{k}_samples": [round(x, 3) for x in v] for k, v in samples.items()},
-            }
-            rows.append(row)
-            print(
-                f"start-up {kind:5s} {nproc} ranks: zerorun {row['zerorun_s']:.3f} s (min {row['zerorun_min_s']:.3f}), "
-                f"torchrun {row['torchrun_s']:.3f} s (min {row['torchrun_min_s']:.3f}), load {row['load_avg']}",
-                flush=True,
-            )
+    with tempfile.TemporaryDirectory() as tmp:
+        for kind, source in (("bare", _BARE), ("torch", _TORCH)):
+            # Not "torch.py": the script's directory comes first on sys.path.
+            script = Path(tmp) / f"prog_{kind}.py"
+            script.write_text(source)
+            for nproc in sizes:
+                samples: dict[str, list[float]] = {"zerorun": [], "torchrun": []}
+                load_before = os.getloadavg()[0]
+                for rep in range(repeats):
+                    order = ("zerorun", "torchrun") if rep % 2 == 0 else ("torchrun", "zerorun")
+                    for launcher in order:
+                        samples[launcher].append(time_to_first_lines(launcher, nproc, script))
+                row = {
+                    "program": kind,
+                    "ranks": nproc,
+                    **{f"{k}_s": round(statistics.median(v), 3) for k, v in samples.items()},
+                    **{f"{k}_min_s": round(min(v), 3) for k, v in samples.items()},
+                    "load_avg": [round(load_before, 1), round(os.getloadavg()[0], 1)],
+                    **{f"{k}_samples": [round(x, 3) for x in v] for k, v in samples.items()},
+                }
+                rows.append(row)
+                print(
+                    f"start-up {kind:5s} {nproc} ranks: zerorun {row['zerorun_s']:.3f} s, "
+                    f"torchrun {row['torchrun_s']:.3f} s, load {row['load_avg']}",
+                    flush=True,
+                )
     return rows
 
 
-def _launcher_sampler(pid: int, result: list[float], stop: threading.Event) -> None:
-    """Peak RSS and CPU seconds (user + system) of the launcher process itself."""
-    peak, cpu = 0, 0.0
-    tick = os.sysconf("SC_CLK_TCK")
-    while not stop.is_set():
-        try:
-            with open(f"/proc/{pid}/status") as fh:
-                for line in fh:
-                    if line.startswith("VmRSS:"):
-                        peak = max(peak, int(line.split()[1]) * 1024)
-            with open(f"/proc/{pid}/stat") as fh:
-                fields = fh.read().rsplit(")", 1)[1].split()
-                cpu = (int(fields[11]) + int(fields[12])) / tick
-        except (OSError, IndexError, ValueError):
-            break
-        stop.wait(0.02)
-    result.extend([peak, cpu])
+# --- the record -----------------------------------------------------------------------------
 
 
-def console_throughput(lines_per_rank: int, ranks: int, tmp: Path) -> dict[str, object]:
-    script = tmp / "flood.py"
-    script.write_text(_FLOOD)
-    env = {**_env(), "ZR_LINES": str(lines_per_rank)}
+def _machine() -> dict[str, Any]:
+    import torch
 
-    # Baselines without a launcher: the same ranks writing to /dev/null, and to a pipe that a
-    # `cat` drains (the cheapest possible reader: what a pipe costs by itself).
-    def baseline(pipe: bool) -> list[float]:
-        procs = []
-        for r in range(ranks):
-            out: object = subprocess.DEVNULL
-            if pipe:
-                out = subprocess.Popen(["cat"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
-            procs.append(
-                (
-                    subprocess.Popen(
-                        [sys.executable, str(script)],
-                        env={**env, "RANK": str(r)},
-                        stdout=out.stdin if pipe else out,
-                        stderr=subprocess.PIPE,
-                        text=True,  # type: ignore[union-attr]
-                    ),
-                    out,
-                )
-            )
-            if pipe:
-                out.stdin.close()  # type: ignore[union-attr]
-        times = []
-        for p, out in procs:
-            _, err = p.communicate(timeout=300)
-            if pipe:
-                out.wait(timeout=60)  # type: ignore[union-attr]
-            times.append(float(err.split("WRITE_SECONDS")[1].split()[0]))
-        return times
-
-    base = baseline(pipe=False)
-    piped = baseline(pipe=True)
-
-    load_before = os.getloadavg()[0]
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "zerorun", "--num_gpus", str(ranks), str(script)],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    peak: list[float] = []
-    stop = threading.Event()
-    sampler = threading.Thread(target=_launcher_sampler, args=(proc.pid, peak, stop), daemon=True)
-    sampler.start()
-    err_chunks: list[str] = []
-    err_reader = threading.Thread(target=lambda: err_chunks.append(proc.stderr.read()), daemon=True)  # type: ignore[union-attr]
-    err_reader.start()
-    count = 0
-    first_t = last_t = None
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        if " rank " in line:
-            count += 1
-            last_t = time.perf_counter()
-            if first_t is None:
-                first_t = last_t
-    proc.wait(timeout=300)
-    stop.set()
-    sampler.join()
-    err_reader.join()
-    writes = [float(x.split()[0]) for x in err_chunks[0].split("WRITE_SECONDS")[1:]]
-    expected = lines_per_rank * ranks
-    span = (last_t or 0) - (first_t or 0)
-    result = {
-        "ranks": ranks,
-        "lines_per_rank": lines_per_rank,
-        "lines_received": count,
-        "lines_expected": expected,
-        "console_lines_per_s": round(count / span) if span > 0 else None,
-        "launcher_total_s": round(time.perf_counter() - t0, 3),
-        "rank_write_s_under_zerorun": [round(w, 3) for w in writes],
-        "rank_write_s_to_devnull": [round(b, 3) for b in base],
-        "rank_write_s_to_pipe_drained_by_cat": [round(b, 3) for b in piped],
-        "launcher_peak_rss_mib": round(peak[0] / 2**20, 1) if peak else None,
-        # Sampled every 20 ms until the launcher exits: a lower bound, within one sample.
-        "launcher_cpu_s": round(peak[1], 2) if peak else None,
-        "launcher_cpu_us_per_line": round(peak[1] * 1e6 / max(count, 1), 2) if peak else None,
-        "load_avg": [round(load_before, 1), round(os.getloadavg()[0], 1)],
+    return {
+        "cpus": len(os.sched_getaffinity(0)),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "platform": platform.platform(),
     }
-    print(
-        f"console: {count}/{expected} lines, {result['console_lines_per_s']} lines/s; rank write time "
-        f"{statistics.median(writes):.3f} s (vs {statistics.median(base):.3f} s to /dev/null, "
-        f"{statistics.median(piped):.3f} s to a pipe drained by cat); "
-        f"launcher peak RSS {result['launcher_peak_rss_mib']} MiB, CPU {result['launcher_cpu_us_per_line']} us/line",
-        flush=True,
-    )
-    return result
+
+
+def _git_head() -> str | None:
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--sizes", default="1,2,4,8")
-    parser.add_argument("--lines", type=int, default=100_000, help="lines per rank for the console test")
-    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "launch_overhead.json"))
+    parser.add_argument("what", choices=("output", "startup"))
+    parser.add_argument("--repeats", type=int, default=None, help="output: 7, startup: 3")
+    parser.add_argument("--ranks", type=int, default=4, help="output: ranks per run")
+    parser.add_argument("--lines", type=int, default=100_000, help="output: lines per rank")
+    parser.add_argument("--modes", default=",".join(OUTPUT_MODES), help="output: modes to run")
+    parser.add_argument("--sizes", default="1,2,4,8", help="startup: rank counts")
+    parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args()
-    sizes = [int(s) for s in args.sizes.split(",")]
-    with tempfile.TemporaryDirectory() as tmp:
-        startup_rows = startup(args.repeats, sizes, Path(tmp))
-        console = console_throughput(args.lines, 4, Path(tmp))
-    import torch
-
-    record = {
-        "benchmark": "launch_overhead",
+    out = Path(args.out)
+    record: dict[str, Any] = json.loads(out.read_text()) if out.exists() else {}
+    if record.get("benchmark") != "launch_overhead" or "sections" not in record:
+        record = {"benchmark": "launch_overhead", "sections": {}}
+    section: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "machine": {
-            "cpus": len(os.sched_getaffinity(0)),
-            "load_avg_at_start": os.getloadavg()[0],
-            "python": platform.python_version(),
-            "torch": torch.__version__,
-            "platform": platform.platform(),
-        },
-        "startup_to_every_first_line": startup_rows,
-        "console_throughput": console,
+        "git_head": _git_head(),
+        "command": " ".join(["python -m benchmarks.launch_overhead", *sys.argv[1:]]),
+        "machine": _machine(),
+        "load_avg_at_start": [round(x, 2) for x in os.getloadavg()],
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    if args.what == "output":
+        modes = tuple(m for m in args.modes.split(",") if m)
+        unknown = sorted(set(modes) - set(OUTPUT_MODES))
+        if unknown:
+            parser.error(f"unknown modes {unknown}; known: {', '.join(OUTPUT_MODES)}")
+        section.update(output(args.repeats or 7, args.ranks, args.lines, modes))
+    else:
+        section["startup_to_every_first_line"] = startup(args.repeats or 3, [int(s) for s in args.sizes.split(",")])
+    section["load_avg_at_end"] = [round(x, 2) for x in os.getloadavg()]
+    section["self_cpu_s"] = round(_cpu_of(resource.getrusage(resource.RUSAGE_SELF)), 2)
+    record["sections"][args.what] = section
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=2) + "\n")
+    print(f"wrote {out} ({args.what})")
 
 
 if __name__ == "__main__":

@@ -37,6 +37,15 @@ from zerorun.launch.plan import DeviceInfo, LaunchPlan, NodePlan, RankSpec, pars
 __all__ = ["LocalRunner", "detect_devices", "job_processes", "kill_job_processes", "port_is_free", "choose_free_port"]
 
 _READ_SIZE = 1 << 16
+# Rank output pipes get this much room (Linux's default is 64 KiB, ~900 lines): a rank keeps
+# printing while the reader sleeps its coalescing pause or the machine is busy.
+_PIPE_SIZE = 1 << 20
+# A turn of the reader that read less than this waits _COALESCE_S before the next select: ranks
+# print a line per write() (the shim line-buffers), so a reader that wakes for every write pays
+# a wake-up, a select and a read per line. After the pause one read takes everything written
+# meanwhile. Bounded lag (the pause), and a flood (more than this per turn) is read at once.
+_COALESCE_BYTES = 1 << 15
+_COALESCE_S = 0.002
 # A line longer than this is cut (progress bars without newlines, binary junk).
 _MAX_LINE = 1 << 16
 # An event is cut only when absurdly long (a cut event is lost: it no longer parses).
@@ -183,6 +192,8 @@ class LocalRunner:
         ]
         for s in streams:
             os.set_blocking(s.fd, False)
+            if s.kind != "events":
+                _grow_pipe(s.fd)
         pidfd = _pidfd_open(proc.pid)
         self._ranks[spec.rank] = _Rank(spec, proc, streams, pidfd)
         self._sink(RankStarted(spec.rank, proc.pid))
@@ -198,16 +209,19 @@ class LocalRunner:
         # Without pidfds, exits are found by polling.
         poll_s = 0.05 if any(r.pidfd is None for r in self._ranks.values()) else None
         while not self._stop.is_set() and not all(r.done for r in self._ranks.values()):
+            got = 0
             for key, _ in self._sel.select(timeout=poll_s if poll_s is not None else 1.0):
                 if isinstance(key.data, _Stream):
                     if not self._ranks[key.data.rank].done:  # nothing after a rank's RankExit
-                        self._read(key.data)
+                        got += self._read(key.data)
                 elif isinstance(key.data, _Rank):
                     self._check_exit(key.data)
             if poll_s is not None or self._killed:
                 for r in self._ranks.values():
                     if not r.done:
                         self._check_exit(r)
+            if 0 < got < _COALESCE_BYTES:
+                time.sleep(_COALESCE_S)
 
     def _check_exit(self, r: _Rank) -> None:
         if r.done or r.proc.poll() is None:
@@ -227,7 +241,9 @@ class LocalRunner:
         except (KeyError, ValueError):
             pass
 
-    def _read(self, s: _Stream, final: bool = False) -> None:
+    def _read(self, s: _Stream, final: bool = False) -> int:
+        """Read what the pipe holds (bounded), emit its whole lines; the number of bytes read."""
+        got = 0
         # A bounded number of reads per wake-up keeps one chatty rank from starving the others.
         for _ in range(64 if final else 4):
             try:
@@ -240,11 +256,13 @@ class LocalRunner:
                 self._unregister(s.fd)
                 final = True
                 break
+            got += len(data)
             s.buf += data
             self._emit_lines(s)
         if final and s.buf:
             self._emit(s, bytes(s.buf))
             s.buf.clear()
+        return got
 
     def _emit_lines(self, s: _Stream) -> None:
         buf = s.buf
@@ -352,6 +370,15 @@ def _reap_adopted(own: set[int]) -> None:
             if pid:
                 break
             time.sleep(0.01)
+
+
+def _grow_pipe(fd: int) -> None:
+    try:
+        import fcntl
+
+        fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, _PIPE_SIZE)  # type: ignore[attr-defined]
+    except (ImportError, AttributeError, OSError):  # not Linux, or over the user's pipe quota
+        pass
 
 
 def _pidfd_open(pid: int) -> int | None:
