@@ -194,18 +194,57 @@ def _variants(
     # A bf16 gradient (2 B down instead of 4) widened chunk by chunk into a cache-sized fp32
     # scratch just before the step reads it: 26 B/element of memory traffic.
     g16 = g.to(torch.bfloat16)
-    chunk = 1 << 18
-    scratch = torch.empty(chunk)
-    chunk_parts = tiles(numel, chunk)
 
-    def widened() -> None:
-        step.add_(1)
-        for lo, hi in chunk_parts:
-            sg = scratch[: hi - lo]
+    def widened(chunk: int) -> Any:
+        scratch = torch.empty(chunk)
+        parts = tiles(numel, chunk)
+
+        def run() -> None:
+            step.add_(1)
+            for lo, hi in parts:
+                sg = scratch[: hi - lo]
+                sg.copy_(g16[lo:hi])
+                adam_tile(p[lo:hi], sg, m[lo:hi], v[lo:hi], None, step, h)
+
+        return run
+
+    out["bf16_grad_widened_256K"] = (widened(1 << 18), ADAM_MIN_BYTES - 2, "adam")
+    out["bf16_grad_widened_2M"] = (widened(1 << 21), ADAM_MIN_BYTES - 2, "adam")
+
+    # The same split across `threads` Python threads, one intra-op thread each (no OpenMP fork
+    # per chunk; the kernels release the GIL), each widening 256K chunks of its own range.
+    from concurrent.futures import ThreadPoolExecutor
+
+    pool = ThreadPoolExecutor(threads, initializer=lambda: torch.set_num_threads(1))
+    chunk = 1 << 18
+    scratches = [torch.empty(chunk) for _ in range(threads)]
+    per = -(-numel // threads)
+
+    def part(j: int) -> None:
+        sg_all = scratches[j]
+        for lo in range(j * per, min(numel, (j + 1) * per), chunk):
+            hi = min(lo + chunk, (j + 1) * per, numel)
+            sg = sg_all[: hi - lo]
             sg.copy_(g16[lo:hi])
             adam_tile(p[lo:hi], sg, m[lo:hi], v[lo:hi], None, step, h)
 
-    out["bf16_grad_widened_256K"] = (widened, ADAM_MIN_BYTES - 2, "adam")
+    def widened_threads() -> None:
+        step.add_(1)
+        list(pool.map(part, range(threads)))
+
+    out["bf16_grad_widened_256K_py_threads"] = (widened_threads, ADAM_MIN_BYTES - 2, "adam")
+
+    def tiles_threads_part(j: int) -> None:
+        lo, hi = j * per, min(numel, (j + 1) * per)
+        for a in range(lo, hi, 1 << 20):
+            b = min(a + (1 << 20), hi)
+            adam_tile(p[a:b], g[a:b], m[a:b], v[a:b], None, step, h)
+
+    def tiles_threads() -> None:
+        step.add_(1)
+        list(pool.map(tiles_threads_part, range(threads)))
+
+    out["tiles_1M_py_threads"] = (tiles_threads, ADAM_MIN_BYTES, "adam")
     return out
 
 

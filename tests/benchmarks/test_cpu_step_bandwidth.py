@@ -42,7 +42,8 @@ def test_cpu_step_bandwidth_sweep(tmp_path: Path) -> None:
     assert [(r["threads"], r["pin"]) for r in rec["summary"]] == [(1, "none"), (1, "affinity")]
     none, affinity = rec["runs"]
     assert none["pinned_cores"] is None and len(affinity["pinned_cores"]) == 1
-    variants = {"tiles_1M", "tiles_4M", "tiles_on_worker_thread", "tiles_4M_then_cast_bf16", "bf16_grad_widened_256K"}
+    variants = {"tiles_1M", "tiles_4M", "tiles_on_worker_thread", "tiles_4M_then_cast_bf16", "bf16_grad_widened_256K",
+                "bf16_grad_widened_2M", "bf16_grad_widened_256K_py_threads", "tiles_1M_py_threads"}  # fmt: skip
     assert variants | {"zerorun_tiles", "fused_whole"} == set(affinity["adam"])
     assert affinity["adam"]["bf16_grad_widened_256K"]["bytes_per_element"] == 26
     assert rec["summary"][1]["zerorun_tiles_GBps"] > 0 and "wrote" in done.stdout
