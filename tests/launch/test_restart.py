@@ -196,12 +196,12 @@ def test_a_restart_that_cannot_start_is_a_failed_attempt_and_the_loop_goes_on(tm
     logs = tmp_path / "logs"
     code, _out, err, tag = run(
         ["--num_gpus", "2", "--max_restarts", "2", "--grace_period", "1", "--log_dir", str(logs), str(script)],
-        env={"RJ_MODE": "vanish"},
+        env={"RJ_MODE": "vanish", "ZERORUN_RESTART_WAIT": "0"},
     )
     assert not wait_until_gone(tag, 5)
     assert code == 1, err
     assert f"attempt 2/3 could not start: script {script} not found (working directory" in err, err
-    assert "); restarting" in err, err
+    assert "); restarting in 0 s" in err, err
     assert "attempt 3/3 (restart)" in err and "restart budget of 2 exhausted" in err, err
     summary = json.loads((logs / "summary.json").read_text())
     got = [(a["attempt"], a["exit_code"], a["reason"], a["retryable"]) for a in summary["attempts"]]
@@ -218,21 +218,25 @@ def test_start_failures_that_would_repeat_are_not_retried(tmp_path: Path) -> Non
     assert classify_start_failure(HostfileError("only 1 node left, --num_nodes 2"), restart=True)[0] is False
     assert classify_start_failure(ConfigError("bad key"), restart=True)[0] is False
 
-    # The loop with a stand-in run_job: a config error on the restart ends it, with that code.
+    # The loop with a stand-in run_job: restarts that cannot start wait 10, 20, 40 s ... (a node
+    # may be rebooting), then a config error on a restart ends it, with that code.
     calls: list[int] = []
+    waits: list[float] = []
 
     def fake_run_job(options: LaunchOptions) -> JobResult:
         calls.append(1)
         if len(calls) == 1:
             return _result("rank_failed", 137, [{"rc": -9}], first=0)
+        if len(calls) < 5:
+            raise LaunchError("node2: connection refused")
         raise ConfigError("ds.json: zero_optimization.stage 7 does not exist")
 
-    opts = LaunchOptions(target=Target(script="t.py"), max_restarts=3, log_dir=str(tmp_path))
+    opts = LaunchOptions(target=Target(script="t.py"), max_restarts=5, log_dir=str(tmp_path))
     with pytest.raises(ConfigError):
-        run_with_restarts(opts, run_job=fake_run_job, port_is_free=lambda _p: True)
-    assert len(calls) == 2
+        run_with_restarts(opts, run_job=fake_run_job, port_is_free=lambda _p: True, sleep=waits.append)
+    assert len(calls) == 5 and waits == [10.0, 20.0, 40.0]
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert [(a["exit_code"], a["retryable"]) for a in summary["attempts"]] == [(137, True), (1, False)]
+    assert [(a["exit_code"], a["retryable"]) for a in summary["attempts"]] == [(137, True)] + [(1, True)] * 3 + [(1, False)]
     assert summary["exit_code"] == 1
 
 

@@ -27,7 +27,8 @@ summary.json records it with the attempt.
 An attempt that cannot start (its checks or the nodes' preflight raise before any rank runs) is
 a failed attempt too, recorded with reason ``not_started``, the error, and the error's exit code:
 on a restart a `LaunchError` (a node still rebooting or unreachable, a port still held) is
-retried; a config or hostfile error, too few nodes left to select, or any error of the first
+retried after a wait (``ZERORUN_RESTART_WAIT`` seconds, default 10, doubling for each such
+attempt in a row, at most 120); a config or hostfile error, too few nodes left to select, or any error of the first
 attempt (the user's setup) ends the job with that error, as without restarts.
 
 With N > 0 and ``--log_dir DIR``: attempt k writes its files to ``DIR/attempt{k}/`` and
@@ -37,9 +38,11 @@ exit code -- the last attempt's.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -162,6 +165,20 @@ def classify_start_failure(err: ZerorunError, *, restart: bool) -> tuple[bool, s
     return True, f"could not start: {text}"
 
 
+# Seconds before retrying an attempt that could not start (doubling per such attempt in a row,
+# capped): ZERORUN_RESTART_WAIT in the launcher's environment.
+_START_RETRY_WAIT_S = 10.0
+_START_RETRY_WAIT_MAX_S = 120.0
+
+
+def _start_retry_wait() -> float:
+    from zerorun.launch.knobs import env_number
+
+    value = env_number(("ZERORUN_RESTART_WAIT",), _START_RETRY_WAIT_S)
+    assert value is not None
+    return value
+
+
 def budget_message(attempts: list[Attempt], max_restarts: int) -> str:
     """The final line when every attempt failed: each attempt's failure, by number."""
     lines = "; ".join(f"attempt {a.number}: {a.why}" for a in attempts)
@@ -274,6 +291,7 @@ def run_with_restarts(
     *,
     run_job: Callable[[LaunchOptions], JobResult] | None = None,
     port_is_free: Callable[[int], bool] | None = None,
+    sleep: Callable[[float], None] = time.sleep,
 ) -> int:
     """Run the job, restarting it as `classify` says, at most `options.max_restarts` times (the
     command line's, else the config's); the exit code of the last attempt."""
@@ -316,7 +334,12 @@ def run_with_restarts(
             if root is not None:
                 _write_summary(root, attempts, max_restarts, err.exit_code)
             if retry and number < total:
-                _say(f"attempt {number}/{total} {why}; restarting")
+                # A node that is rebooting or unreachable needs a moment: an immediate retry
+                # would spend the budget in seconds. Longer after each attempt that could not start.
+                unstarted = len(list(itertools.takewhile(lambda a: a.reason == "not_started", reversed(attempts))))
+                wait = min(_start_retry_wait() * 2 ** (unstarted - 1), _START_RETRY_WAIT_MAX_S)
+                _say(f"attempt {number}/{total} {why}; restarting in {wait:g} s")
+                sleep(wait)
                 continue
             if number > 1:
                 _say(budget_message(attempts, max_restarts) if retry else f"attempt {number}/{total} {why}; not retried")
