@@ -20,6 +20,7 @@ import torch
 from zerorun import zero as _zero
 from zerorun.compat.deepspeed._surface import module_getattr
 from zerorun.compat.deepspeed.accelerator import get_accelerator
+from zerorun.config import ZerorunConfig
 from zerorun.errors import RuntimeConfigError
 
 __all__ = [
@@ -63,21 +64,25 @@ def GatheredParameters(  # noqa: N802 - DeepSpeed's name
     return _zero.GatheredParameters(partitioned, modifier_rank=modifier_rank, fwd_module=fwd_module, enabled=enabled)
 
 
-def _section_enabled(cfg: Any, key: str) -> bool:
-    if isinstance(cfg, dict):
-        section = cfg.get(key)
-        if key == "bf16" and section is None:
-            section = cfg.get("bfloat16")
-        return isinstance(section, dict) and section.get("enabled") is True
-    if isinstance(cfg, (str, Path)):
+def _validated(cfg: object) -> ZerorunConfig:
+    """The config as zerorun's validated, typed settings: ``cfg`` is what DeepSpeed's
+    ``zero.Init`` takes -- a config dict (transformers passes its ``HfDeepSpeedConfig``'s), a
+    path, or an object holding one in ``.config`` (``HfDeepSpeedConfig``, a ``LoadedConfig``).
+    A config no run could use is refused here with the loader's message, as initialize would."""
+    inner = getattr(cfg, "config", cfg)
+    if isinstance(inner, ZerorunConfig):
+        return inner
+    if isinstance(inner, (dict, str, Path)):
         from zerorun.config import load_config
 
-        cfg = load_config(cfg).config
-    section = getattr(getattr(cfg, "config", cfg), key, None)
-    return bool(getattr(section, "enabled", False)) is True
+        return load_config(inner).config
+    raise RuntimeConfigError(
+        f"deepspeed.zero.Init: config_dict_or_path must be a config dict or a path to a config file, not "
+        f"{type(cfg).__name__}"
+    )
 
 
-def init_dtype(cfg: Any, dtype: Any) -> torch.dtype | None:
+def init_dtype(cfg: object, dtype: torch.dtype | None) -> torch.dtype | None:
     """The dtype DeepSpeed's ``zero.Init`` creates parameters in: ``dtype`` when given, else the
     config's (bf16, fp16, or fp32 when neither is enabled; ``"auto"`` counts as not enabled).
     Without either, parameters keep the dtype they were created in (DeepSpeed would pick fp16
@@ -86,28 +91,17 @@ def init_dtype(cfg: Any, dtype: Any) -> torch.dtype | None:
         return dtype
     if cfg is None:
         return None
-    if _section_enabled(cfg, "bf16"):
+    settings = _validated(cfg)
+    if settings.bf16.enabled is True:
         return torch.bfloat16
-    if _section_enabled(cfg, "fp16"):
+    if settings.fp16.enabled is True:
         return torch.float16
     return torch.float32
 
 
-def _stage_of(cfg: Any) -> int:
-    if isinstance(cfg, dict):
-        zero = cfg.get("zero_optimization") or {}
-        return int(zero.get("stage", 0)) if isinstance(zero, dict) else 0
-    if isinstance(cfg, (str, Path)):
-        from zerorun.config import load_config
-
-        return int(load_config(cfg).config.zero_optimization.stage)
-    zero = getattr(getattr(cfg, "config", cfg), "zero_optimization", None)
-    return int(getattr(zero, "stage", 0))
-
-
 class Init(_zero.Init):
-    """``deepspeed.zero.Init``. The config only has to say stage 3 here (it is validated in
-    full by ``deepspeed.initialize``); the process group is created if none exists."""
+    """``deepspeed.zero.Init``. The config (validated as ``deepspeed.initialize`` validates it)
+    must say stage 3; the process group is created if none exists."""
 
     def __init__(
         self,
@@ -126,10 +120,11 @@ class Init(_zero.Init):
         if mpu is not None:
             raise RuntimeConfigError("deepspeed.zero.Init(mpu=...): model parallelism is not supported by zerorun")
         cfg = config if config is not None else config_dict_or_path
-        if enabled and cfg is not None and _stage_of(cfg) != 3:
+        stage = _validated(cfg).zero_optimization.stage if cfg is not None else None
+        if enabled and stage is not None and stage != 3:
             raise RuntimeConfigError(
                 f"deepspeed.zero.Init partitions parameters, which only ZeRO stage 3 keeps partitioned: the "
-                f"config has zero_optimization.stage {_stage_of(cfg)}. Set stage: 3, or build the model "
+                f"config has zero_optimization.stage {stage}. Set stage: 3, or build the model "
                 "without zero.Init."
             )
         deepspeed_state_dict_semantics()
