@@ -110,6 +110,10 @@ class Engine:
             compute_dtype=settings.precision.policy.param_dtype,
             micro_batch=settings.batch.micro_batch,
         )
+        if self.reporter.timers is not None:  # the placement's own sub-phases (offload), if any
+            source = stage.state.placement.phase_timer()
+            if source is not None:
+                self.reporter.timers.sources.append(source)
         configure_activation_checkpointing(settings.activation)  # unless the script called configure()
         # Stages 1-2 leave the step's all-gather of the updated parameters in flight, to overlap
         # the next forward (stage.wait_params). The module's next forward -- train or eval,

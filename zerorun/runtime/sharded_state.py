@@ -24,6 +24,7 @@ import torch
 from torch.optim import Optimizer
 
 from zerorun.runtime.memory import MemoryLedger
+from zerorun.runtime.observe.timers import PhaseSource
 from zerorun.runtime.partition import FlatLayout
 
 __all__ = ["ShardPlacement", "DevicePlacement", "ShardedOptimizerState", "ParamShardStore"]
@@ -123,6 +124,13 @@ class ShardPlacement:
     def add_memory(self, ledger: MemoryLedger) -> None:
         """Add what the placement holds besides masters and optimizer states (host gradient and
         staging buffers, bytes on NVMe) to a ``memory.MemoryLedger``."""
+        return None
+
+    def phase_timer(self) -> PhaseSource | None:
+        """``wall_clock_breakdown``: start timing this placement's own sub-phases and return
+        what the step timers call after each optimizer step for that step's (name -> ms or
+        (begin, end) marks; observe/timers.py); None when it has none (offload has: copies,
+        the CPU step, waits)."""
         return None
 
     @property

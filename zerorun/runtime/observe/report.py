@@ -40,7 +40,7 @@ from zerorun.runtime.activations import take_profile as take_checkpoint_profile
 from zerorun.runtime.observe.flops import FlopsProfiler
 from zerorun.runtime.observe.monitors import Event, MonitorSet
 from zerorun.runtime.observe.options import ObserveOptions
-from zerorun.runtime.observe.timers import PHASES, PhaseTimers
+from zerorun.runtime.observe.timers import OFFLOAD_PHASES, PhaseTimers
 
 __all__ = ["StepReporter", "StepRecord", "count_tokens", "TIMER_TAGS", "MAX_PENDING"]
 
@@ -270,7 +270,7 @@ class StepReporter:
         samples_per_sec, tokens_per_sec = self._throughput(last.samples)
         self._last_print, self._samples_at_print, self._tokens = time.perf_counter(), last.samples, 0
         mean_timers = {
-            name: sum(t[name] for t in timers) / len(timers) for name in PHASES
+            name: sum(t.get(name, 0.0) for t in timers) / len(timers) for name in timers[-1]
         } if timers else None
         report: dict[str, Any] = {
             "step": last.step,
@@ -330,6 +330,11 @@ class StepReporter:
                 out.append(("Train/Samples/grad_norm", norm, s))
             if i < len(timers):
                 out.extend((tag, timers[i][name], s) for name, tag in TIMER_TAGS.items())
+                out.extend(
+                    (f"Train/Samples/elapsed_time_ms_{name}", timers[i][name], s)
+                    for name in OFFLOAD_PHASES
+                    if name in timers[i]
+                )
             if r.gpu_allocated is not None:
                 out.append(("Train/Samples/gpu_memory_allocated", float(r.gpu_allocated), s))
                 out.append(("Train/Samples/gpu_memory_max_allocated", float(r.gpu_max_allocated or 0), s))

@@ -14,20 +14,45 @@ clipping, optimizer step on the shards, write-back/all-gather, offload's CPU ste
 `step` DeepSpeed's ZeRO timers `optimizer_gradients` (global norm, fp16 overflow check, unscale
 and clip) and `optimizer_step` (the shards' optimizer step with the write-back / all-gather and,
 with offload, the gradient copies to the host, the CPU optimizer and the parameter copies back).
+
+Offload's sub-phases (`OFFLOAD_PHASES`, reported only when an offload placement ran) come from
+the placement (`ShardPlacement.phase_timer`, a *source* polled at `end_step`), because they run
+on other streams and threads and overlap the phases above (a CPU step started during the
+backward; the delayed update's during the next forward): `offload_d2h` / `offload_h2d` the
+gradient copies down and the parameter copies up (CUDA events on the copy streams: the copy
+engines' busy time), `offload_cpu_step` the CPU optimizer on the worker (+ staging),
+`offload_grad_wait` the worker waiting for gradient copies, `offload_io_wait` waiting for NVMe
+reads, `offload_step_wait` the training thread blocked on the CPU step (what the step exposes),
+`offload_param_fetch` stage 3's parameter copies up from the host (`offload_param`).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 
-__all__ = ["PHASES", "PhaseTimers"]
+__all__ = ["PHASES", "OFFLOAD_PHASES", "PhaseTimers", "PhaseSource", "PhaseValue", "Mark", "Stamp"]
 
 PHASES = ("fwd", "bwd", "bwd_inner", "bwd_allreduce", "step", "optimizer_gradients", "optimizer_step")
+OFFLOAD_PHASES = (
+    "offload_d2h",
+    "offload_cpu_step",
+    "offload_h2d",
+    "offload_grad_wait",
+    "offload_io_wait",
+    "offload_step_wait",
+    "offload_param_fetch",
+)
+# Sub-phases measured elsewhere: name -> milliseconds (a float) or (begin, end) marks (CUDA
+# events, or perf_counter seconds) of the step just ended; a source returns them per step.
+Stamp = float | torch.cuda.Event
+Mark = tuple[Stamp, Stamp]
+PhaseValue = float | list[Mark]
+PhaseSource = Callable[[], Mapping[str, PhaseValue]]
 
 
 class PhaseTimers:
@@ -37,8 +62,9 @@ class PhaseTimers:
     def __init__(self, device: torch.device) -> None:
         self._cuda = device.type == "cuda"
         self._open: dict[str, Any] = {}
-        self._current: dict[str, list[tuple[Any, Any]]] = {}
-        self._closed: list[dict[str, list[tuple[Any, Any]]]] = []
+        self._current: dict[str, list[float | Mark]] = {}
+        self._closed: list[dict[str, list[float | Mark]]] = []
+        self.sources: list[PhaseSource] = []  # polled at end_step (offload's sub-phases)
 
     def _mark(self) -> Any:
         if self._cuda:
@@ -63,7 +89,14 @@ class PhaseTimers:
         finally:
             self.stop(name)
 
+    def add(self, name: str, value: PhaseValue) -> None:
+        """Time measured elsewhere for this step: milliseconds, or (begin, end) marks."""
+        self._current.setdefault(name, []).extend(value if isinstance(value, list) else [float(value)])
+
     def end_step(self) -> None:
+        for source in self.sources:
+            for name, value in source().items():
+                self.add(name, value)
         self._closed.append(self._current)
         self._current = {}
 
@@ -71,18 +104,24 @@ class PhaseTimers:
         return len(self._closed)
 
     def collect(self) -> list[dict[str, float]]:
-        """Milliseconds per phase, one dict per closed step (phases that did not run: 0).
-        On CUDA this waits for the last recorded event: call it only at a print step."""
+        """Milliseconds per phase, one dict per closed step (phases that did not run: 0; the
+        offload phases only when some step since the last collect had them). On CUDA this
+        waits for the last recorded event: call it only at a print step."""
+        extra = [n for n in OFFLOAD_PHASES if any(n in step for step in self._closed)]
         out = []
         for step in self._closed:
             row = {}
-            for name in PHASES:
+            for name in (*PHASES, *extra):
                 total = 0.0
-                for begin, end in step.get(name, ()):
-                    if self._cuda:
+                for item in step.get(name, ()):
+                    if isinstance(item, float):
+                        total += item
+                        continue
+                    begin, end = item
+                    if isinstance(begin, torch.cuda.Event) and isinstance(end, torch.cuda.Event):
                         end.synchronize()  # host sync: only here, at the print step
                         total += float(begin.elapsed_time(end))
-                    else:
+                    elif isinstance(begin, float) and isinstance(end, float):
                         total += (end - begin) * 1000.0
                 row[name] = total
             out.append(row)

@@ -18,9 +18,12 @@ from __future__ import annotations
 
 import mmap
 import threading
+import time
 from collections.abc import Callable
 
 import torch
+
+from zerorun.runtime.observe.timers import Mark, Stamp
 
 __all__ = ["Copier", "host_empty", "registered_empty", "tiles", "EXACT_PIN_MIN_BYTES"]
 
@@ -105,6 +108,38 @@ class Copier:
             self._down = torch.cuda.Stream(device)
             self._up = torch.cuda.Stream(device)
         self._lock = threading.Lock()
+        # wall_clock_breakdown: (begin, end) marks of every copy, by direction ("d2h", "h2d"):
+        # CUDA timing events on the copy stream (read at the print step), or perf_counter
+        # seconds around the synchronous CPU copies. Off by default (timing events cost a little).
+        self.timing = False
+        self._marks: dict[str, list[Mark]] = {}
+
+    def take_marks(self) -> dict[str, list[Mark]]:
+        """The copies' marks since the last call (wall_clock_breakdown's offload sub-phases)."""
+        with self._lock:
+            marks, self._marks = self._marks, {}
+        return marks
+
+    def _begin(self, stream: torch.cuda.Stream | None) -> Stamp | None:
+        if not self.timing:
+            return None
+        if stream is None:
+            return time.perf_counter()
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record(stream)
+        return ev
+
+    def _end(self, direction: str, begin: Stamp | None, stream: torch.cuda.Stream | None) -> torch.cuda.Event | None:
+        """The copy's done mark (a CUDA event when ``stream``), kept with ``begin`` when timing."""
+        if stream is None:
+            if begin is not None:
+                self._marks.setdefault(direction, []).append((begin, time.perf_counter()))
+            return None
+        done = torch.cuda.Event(enable_timing=begin is not None)
+        done.record(stream)
+        if begin is not None:
+            self._marks.setdefault(direction, []).append((begin, done))
+        return done
 
     # -- ordering with the training loop (call on its thread) --------------------------------
     def ready(self) -> torch.cuda.Event | None:
@@ -123,25 +158,29 @@ class Copier:
 
     # -- copies (any thread) -----------------------------------------------------------------
     def to_host(self, dst: torch.Tensor, src: torch.Tensor, after: torch.cuda.Event | None) -> torch.cuda.Event | None:
-        return self._copy(self._down, dst, src, after)
+        return self._copy(self._down, "d2h", dst, src, after)
 
     def to_device(self, dst: torch.Tensor, src: torch.Tensor, after: torch.cuda.Event | None) -> torch.cuda.Event | None:
-        return self._copy(self._up, dst, src, after)
+        return self._copy(self._up, "h2d", dst, src, after)
 
     def _copy(
         self,
         stream: torch.cuda.Stream | None,
+        direction: str,
         dst: torch.Tensor,
         src: torch.Tensor,
         after: torch.cuda.Event | None,
     ) -> torch.cuda.Event | None:
         if stream is None or (dst.device.type == "cpu" and src.device.type == "cpu"):
-            with torch.no_grad():
-                dst.copy_(src)
-            return None
+            with self._lock:
+                begin = self._begin(None)
+                with torch.no_grad():
+                    dst.copy_(src)
+                return self._end(direction, begin, None)
         with self._lock, torch.cuda.device(self.device), torch.cuda.stream(stream):
             if after is not None:
                 stream.wait_event(after)
+            begin = self._begin(stream)
             with torch.no_grad():
                 if dst.dtype != src.dtype and dst.device.type == "cuda":
                     # Host -> device with a cast: move the bytes as they are, cast on the GPU (the
@@ -152,8 +191,7 @@ class Copier:
                     dst.copy_(tmp)
                 else:
                     dst.copy_(src, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(stream)
+            done = self._end(direction, begin, stream)
         return done
 
     def upload(self, src: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event]:
@@ -164,10 +202,11 @@ class Copier:
         assert self._up is not None
         with self._lock, torch.cuda.device(self.device), torch.cuda.stream(self._up):
             out = torch.empty(src.shape, dtype=src.dtype, device=self.device)
+            begin = self._begin(self._up)
             with torch.no_grad():
                 out.copy_(src, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(self._up)
+            done = self._end("h2d", begin, self._up)
+        assert done is not None  # a CUDA stream always gives an event
         return out, done
 
     @staticmethod

@@ -43,6 +43,7 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
+from zerorun.runtime.observe.timers import PhaseSource, PhaseValue
 from zerorun.runtime.offload.adam import AdamHyper, adam_tile, ensure_state, hyper_of, supports_tiles
 from zerorun.runtime.offload.dpu import DelayPolicy
 from zerorun.runtime.offload.host import Copier, host_empty, tiles
@@ -132,6 +133,7 @@ class HostPlacement(ShardPlacement):
         # previous step's.
         self.last_profile: dict[str, float] = {}
         self._prof: dict[str, float] = {}
+        self._phases: dict[str, PhaseValue] = {}  # the last step's sub-phases (phase_timer)
 
     # -- storage (subclasses) -----------------------------------------------------------------
     def _new_master(self, index: int, numel: int, fp32_init: Callable[[], torch.Tensor]) -> torch.Tensor:
@@ -366,6 +368,8 @@ class HostPlacement(ShardPlacement):
 
     def after_write_back(self) -> None:
         self.last_profile, self._prof = self._prof, {}
+        if self.copier.timing:
+            self._phases = self._sub_phases(self.last_profile)
         self.copier.fence(self._last_up)
         job, self._launch = self._launch, None
         if job is not None:
@@ -374,6 +378,35 @@ class HostPlacement(ShardPlacement):
         self._in_step = False
 
     # -- generic hooks (Contract 6) ------------------------------------------------------------
+    def phase_timer(self) -> PhaseSource:
+        """wall_clock_breakdown (observe/timers.py OFFLOAD_PHASES): time the copies from now on
+        and hand the step timers each step's sub-phases."""
+        self.copier.timing = True
+        store_copier = getattr(self.param_store, "copier", None)
+        if isinstance(store_copier, Copier):
+            store_copier.timing = True
+
+        def take() -> dict[str, PhaseValue]:
+            phases, self._phases = self._phases, {}
+            return phases
+
+        return take
+
+    def _sub_phases(self, prof: dict[str, float]) -> dict[str, PhaseValue]:
+        marks = self.copier.take_marks()
+        out: dict[str, PhaseValue] = {
+            "offload_d2h": marks.get("d2h", []),
+            "offload_cpu_step": 1e3 * (prof.get("adam_s", 0.0) + prof.get("staging_s", 0.0)),
+            "offload_h2d": marks.get("h2d", []),
+            "offload_grad_wait": 1e3 * prof.get("gradient_wait_s", 0.0),
+            "offload_io_wait": 1e3 * prof.get("io_wait_s", 0.0),
+            "offload_step_wait": 1e3 * prof.get("main_wait_s", 0.0),
+        }
+        store_copier = getattr(self.param_store, "copier", None)
+        if isinstance(store_copier, Copier):  # stage 3's parameter fetches (offload_param)
+            out["offload_param_fetch"] = store_copier.take_marks().get("h2d", [])
+        return out
+
     def synchronize(self) -> None:
         self.runner.join()  # (a step started during backward completes in step(); not here)
 
