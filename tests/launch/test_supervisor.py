@@ -134,7 +134,11 @@ def test_a_start_that_raises_still_writes_and_closes_the_job_log(tmp_path: Path)
     from zerorun.launch.plan import DeviceInfo, LaunchOptions, Target, build_plan
 
     script = tmp_path / "talk.py"
-    script.write_text("import time\nfor i in range(3):\n    print('line', i, flush=True)\ntime.sleep(60)\n")
+    marker = tmp_path / "printed"
+    script.write_text(
+        "import pathlib, sys, time\nfor i in range(3):\n    print('line', i, flush=True)\n"
+        f"pathlib.Path({str(marker)!r}).write_text('x')\ntime.sleep(60)\n"
+    )
     options = LaunchOptions(target=Target(script=str(script)), device="cpu")
     plan = build_plan(
         options, [Host("localhost", (0,)), Host("b", (0,))], DeviceInfo(gpus=(), cores=2), master_port=29500,
@@ -147,8 +151,9 @@ def test_a_start_that_raises_still_writes_and_closes_the_job_log(tmp_path: Path)
     class FailsOnceTheLinesArrived(ScriptedRunner):
         def start(self, sink) -> None:
             deadline = time.monotonic() + 60
-            while sup._queue.qsize() < 4 and time.monotonic() < deadline:  # started + 3 lines
-                time.sleep(0.02)
+            while not (marker.exists() and sup._queue.qsize() >= 4) and time.monotonic() < deadline:
+                time.sleep(0.02)  # the rank printed; its lines (and RankStarted) are queued
+            time.sleep(0.3)  # the reader thread posts lines as they come: any stragglers too
             raise LaunchError("the link to b closed before the job started")
 
     local = LocalRunner(plan, plan.nodes[0], python=sys.executable, environ=env)
