@@ -152,22 +152,35 @@ class Engine:
                 "boundary), or add the losses and call backward once"
             )
         self._backward_since_step = True
-        self.stage.begin_backward(
+        self.backward_pass(
+            loss,
             boundary=self.is_gradient_accumulation_boundary(),
             first_micro=self.micro_steps % self._accum == 0,
+            retain_graph=retain_graph,
+            scale_wrt_gas=scale_wrt_gas,
         )
+        return loss
+
+    def backward_pass(
+        self, loss: torch.Tensor, *, boundary: bool, first_micro: bool, retain_graph: bool, scale_wrt_gas: bool
+    ) -> None:
+        """One micro-batch's backward, the part every front end shares (`backward` here, the
+        compat layer's DeepSpeedEngine.backward with its own window bookkeeping): open the
+        stage's reduction for this micro-batch (`boundary`: it ends the accumulation window;
+        `first_micro`: it opens one), scale, backpropagate, finish the reduction, record the
+        loss. No step counters move here."""
+        self.stage.begin_backward(boundary=boundary, first_micro=first_micro)
         # scale_wrt_gas=False: the script already divided by the accumulation steps (DeepSpeed's flag).
         factor = self.loss_scaler.scale / (self._accum if scale_wrt_gas else 1)
         scaled = loss * factor if factor != 1.0 else loss
-        phase = self.reporter.phase
+        phase = self.reporter.phase  # wall_clock_breakdown (runtime/observe)
         with phase("bwd"):
             with phase("bwd_inner"):
                 scaled.backward(retain_graph=retain_graph)
             with phase("bwd_allreduce"):  # the collectives the backward did not hide
                 self.stage.end_backward()
         self._last_loss = loss.detach()
-        self.reporter.on_backward(self._last_loss)
-        return loss
+        self.reporter.on_backward(self._last_loss)  # steps_per_print's loss
 
     # -- step ---------------------------------------------------------------------------------
     def is_gradient_accumulation_boundary(self) -> bool:

@@ -121,19 +121,11 @@ class DeepSpeedEngine(nn.Module):
         del release_loss
         inner = self._engine
         boundary = self.is_gradient_accumulation_boundary()
-        inner.stage.begin_backward(boundary=boundary, first_micro=self._window == 0)
-        factor = inner.loss_scaler.scale
-        if scale_wrt_gas:
-            factor = factor / inner.settings.batch.grad_accum
-        scaled = loss * factor if factor != 1.0 else loss
-        phase = inner.reporter.phase  # wall_clock_breakdown (runtime/observe), as Engine.backward
-        with phase("bwd"):
-            with phase("bwd_inner"):
-                scaled.backward(retain_graph=retain_graph)
-            with phase("bwd_allreduce"):
-                inner.stage.end_backward()
-        inner._last_loss = loss.detach()
-        inner.reporter.on_backward(inner._last_loss)  # steps_per_print's loss
+        # The window is the caller's here (accelerate's explicit boundary, no_sync), not the
+        # engine's micro-step count; the backward itself is the engine's.
+        inner.backward_pass(
+            loss, boundary=boundary, first_micro=self._window == 0, retain_graph=retain_graph, scale_wrt_gas=scale_wrt_gas
+        )
         inner.micro_steps += 1
         inner.global_samples += inner.settings.batch.micro_batch * inner.world_size
         self._window += 1
