@@ -8,7 +8,9 @@ import sys
 import threading
 import time
 
-from zerorun.launch.fanout import NodeFailure, failure_table, fan_out
+import pytest
+
+from zerorun.launch.fanout import Failed, NodeFailure, failure_table, fan_out, split_fix
 
 
 def test_at_most_parallelism_in_flight_and_transient_failures_retried():
@@ -45,9 +47,46 @@ def test_at_most_parallelism_in_flight_and_transient_failures_retried():
     table = failure_table(failures, what="SSH", names={n: f"node{n}" for n in range(40)})
     lines = table.splitlines()
     assert lines[0] == "SSH failed on 3 nodes: 1 auth, 1 error, 1 unreachable"
-    assert lines[1].split() == ["node", "reason", "tries", "detail"]
+    assert lines[1].split() == ["node", "problem", "tries", "what", "fix"]
     assert lines[2].split()[:3] == ["node5", "auth", "1"] and lines[4].split()[:3] == ["node7", "unreachable", "3"]
     assert "RuntimeError: bug" in lines[3]
+
+
+def test_the_table_says_which_node_what_and_the_fix():
+    """Every preflight problem is reported in this one table (SSH, the agents' preflight, the
+    device check, dial-in, simulation): the message's first sentence is what is wrong, the rest
+    the fix; the tries column only when a node was tried more than once."""
+    failures = {
+        "n2": Failed("n2", "script", "the script t.py does not exist there (working directory /w). Every node needs the code.", 1),
+        "n1": Failed("n1", "version", "/py there imports zerorun 1.0, this launcher is zerorun 1.1. Install the same version.", 1),
+        "n3": Failed("n3", "agent", "the node agent exited with status 1 before answering", 1),
+    }
+    lines = failure_table(failures, what="The preflight", names={"n1": "n1 (10.0.0.1)"}).splitlines()
+    assert lines[0] == "The preflight failed on 3 nodes: 1 agent, 1 script, 1 version"
+    assert lines[1].split() == ["node", "problem", "what", "fix"]
+    fix_at = lines[1].index("fix")
+    rows = {line.split()[0]: (line[:fix_at].rstrip(), line[fix_at:]) for line in lines[2:]}
+    assert rows["n1"] == ("  n1 (10.0.0.1)  version  /py there imports zerorun 1.0, this launcher is zerorun 1.1",
+                          "Install the same version.")
+    assert rows["n2"][0].endswith("the script t.py does not exist there (working directory /w)")
+    assert rows["n2"][1] == "Every node needs the code."
+    assert rows["n3"][1] == "-"  # nothing to advise beyond what happened
+    assert [line.split()[0] for line in lines[2:]] == ["n3", "n2", "n1"]  # by problem, then node
+
+
+@pytest.mark.parametrize(
+    ("message", "what", "fix"),
+    [
+        ("cannot reach n1 (10.0.0.1): no answer within 2 s. Check the name.", "cannot reach n1 (10.0.0.1): no answer within 2 s", "Check the name."),
+        ("port 5 is in use there (another job?). Pick another.", "port 5 is in use there (another job?)", "Pick another."),
+        ("cannot log in: Authentication failed.. zerorun uses your keys.", "cannot log in: Authentication failed", "zerorun uses your keys."),
+        ("zerorun 1.0 there, here zerorun 1.1. Install it.", "zerorun 1.0 there, here zerorun 1.1", "Install it."),
+        ("a path e.g. x.py is missing. Copy it.", "a path e.g. x.py is missing", "Copy it."),
+        ("RuntimeError: bug", "RuntimeError: bug", ""),
+    ],
+)
+def test_split_fix(message: str, what: str, fix: str) -> None:
+    assert split_fix(message) == (what, fix)
 
 
 def test_the_table_is_cut_after_its_limit():

@@ -47,13 +47,13 @@ def test_hostfile_env_value_is_verbatim() -> None:
 @pytest.mark.parametrize(
     ("text", "fragment"),
     [
-        ("worker-1\n", "hf:1: host 'worker-1' has no `slots=N`"),
+        ("worker-1\n", "host 'worker-1' has no `slots=N`"),
         ("worker-1 4\n", "has no `slots=N`"),
-        ("worker-1 slots=four\n", "hf:1: slots='four' for host 'worker-1' is not a whole number"),
+        ("worker-1 slots=four\n", "slots='four' for host 'worker-1' is not a whole number"),
         ("worker-1 slots=\n", "is not a whole number"),
         ("worker-1 slots=-2\n", "slots=-2 for host 'worker-1' is negative"),
         ("worker-1 slots=0\n", "has slots=0"),
-        ("a slots=1\n\n# x\na slots=2\n", "hf:4: host 'a' is listed twice (first on line 1)"),
+        ("a slots=1\n\n# x\na slots=2\n", "host 'a' is listed twice (first on line 1)"),
         ("", "lists no hosts"),
         ("# only comments\n\n   \n", "lists no hosts"),
         ("-oProxyCommand=x slots=1\n", "is not a host name"),
@@ -63,7 +63,7 @@ def test_hostfile_env_value_is_verbatim() -> None:
         ("a slots=1 oops\n", "unexpected 'oops' after the slots"),
         ("a slots=1 1X=2\n", "unexpected '1X=2'"),
         ("a slots=1 slots=2\n", "gives slots= twice"),
-        ("a slots=1 MASTER_ADDR=x\n", "hf:1: MASTER_ADDR is set by the launcher"),
+        ("a slots=1 MASTER_ADDR=x\n", "MASTER_ADDR is set by the launcher"),
         ("a slots=1 ZERORUN_RUN_ID=x\n", "ZERORUN_RUN_ID is set by the launcher"),
     ],
 )
@@ -71,6 +71,29 @@ def test_malformed_hostfiles(text: str, fragment: str) -> None:
     with pytest.raises(HostfileError) as err:
         parse_hostfile_text(text, source="hf")
     assert fragment in str(err.value)
+    if "lists no hosts" not in fragment:  # a bad line: the table names it (file:line, host)
+        assert str(err.value).splitlines()[2].startswith(f"  hf:{text.count(chr(10))} ")
+
+
+def test_every_bad_line_is_reported_in_one_table() -> None:
+    """Not only the first: each bad line is a row of the failure table the preflight uses
+    (launch/fanout.py: the line and its host, the problem, what is wrong, the fix)."""
+    text = "a slots=1\nb slots=two\n\na slots=2\nc slots=1 RANK=3\nd slots=4\n"
+    with pytest.raises(HostfileError) as err:
+        parse_hostfile_text(text, source="hf")
+    lines = str(err.value).splitlines()
+    assert lines[0] == "hostfile hf failed on 3 lines: 1 environment, 1 listed twice, 1 slots"
+    assert lines[1].split() == ["line", "problem", "what", "fix"]
+    cuts = [lines[1].index(c) for c in ("problem", "what", "fix")]
+    rows = [tuple(line[a:b].strip() for a, b in zip([0, *cuts], [*cuts, None], strict=True)) for line in lines[2:5]]
+    assert rows == [  # by problem
+        ("hf:5 c", "environment", "RANK is set by the launcher for each node or rank and cannot be given for host 'c'",
+         "Remove it from the hostfile."),
+        ("hf:4 a", "listed twice", "host 'a' is listed twice (first on line 1)",
+         "List each node once, with all its slots: `HOST slots=N`."),
+        ("hf:2 b", "slots", "slots='two' for host 'b' is not a whole number", "Write e.g. `b slots=8`."),
+    ]
+    assert lines[5] == "Nothing was started."
 
 
 def test_windows_editors_are_fine(tmp_path: Path) -> None:

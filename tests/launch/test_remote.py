@@ -30,18 +30,19 @@ def test_preflight_answers_are_checked() -> None:
     channels = {
         "a": channel(ok),
         "b": channel({"t": "hello", "version": "0.9", "protocol": wire.PROTOCOL_VERSION}),
-        "c": channel(ok | {"error": "master port 1 is already in use there"}),
+        "c": channel(ok | {"error": "master port 1 is already in use there", "error_kind": "port"}),
         "d": channel(None, stderr=("/usr/bin/python3: No module named zerorun",)),
         "e": channel(None, stderr=("bash: /opt/py/bin/python: No such file or directory",), code=127),
         "f": channel(),  # silent
     }
     hellos, errors = _collect_hellos(channels, "/opt/py/bin/python", "/work", "1.0", timeout=0.2)  # type: ignore[arg-type]
     assert list(hellos) == ["a"]
-    assert "imports zerorun 0.9, this launcher is zerorun 1.0" in errors["b"]
-    assert errors["c"] == "nodeX (10.0.0.9): master port 1 is already in use there"
-    assert "cannot import zerorun" in errors["d"]
-    assert "the remote interpreter /opt/py/bin/python does not exist there" in errors["e"]
-    assert "did not answer within 0.2 s" in errors["f"]
+    problems = {name: (f.category, f.message) for name, f in errors.items()}  # rows of fanout.failure_table
+    assert problems["b"][0] == "version" and "imports zerorun 0.9, this launcher is zerorun 1.0" in problems["b"][1]
+    assert problems["c"] == ("port", "master port 1 is already in use there")
+    assert problems["d"][0] == "zerorun" and "cannot import zerorun" in problems["d"][1]
+    assert problems["e"][0] == "python" and "the remote interpreter /opt/py/bin/python does not exist there" in problems["e"][1]
+    assert problems["f"] == ("timeout", "the node agent did not answer within 0.2 s")
 
 
 def test_device_check_against_the_nodes_gpus() -> None:

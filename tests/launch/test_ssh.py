@@ -98,5 +98,11 @@ def test_refused_connection_names_the_host(tmp_path: Path, monkeypatch: pytest.M
     cfg = tmp_path / "config"
     cfg.write_text(f"Host closed-node\n  HostName 127.0.0.1\n  Port {port}\n  ConnectTimeout 3\n")
     monkeypatch.setenv("HOME", str(tmp_path))
-    with pytest.raises(LaunchError, match=rf"cannot reach closed-node \(127.0.0.1:{port}\): .*Nothing was started"):
-        connect_nodes(["closed-node"], SshOptions(ssh_config=str(cfg)))
+    with pytest.raises(LaunchError) as err:
+        connect_nodes(["closed-node"], SshOptions(ssh_config=str(cfg), retry_backoff_s=0.01))
+    # One node fails as many do: the table (launch/fanout.py), the fix in its own column.
+    head, columns, row, last = str(err.value).splitlines()
+    assert head == "SSH failed on 1 node: 1 unreachable" and columns.split() == ["node", "problem", "tries", "what", "fix"]
+    assert row.split()[:3] == ["closed-node", "unreachable", "3"]  # refused: retried
+    assert f"cannot reach closed-node (127.0.0.1:{port}): " in row and "Check the name/address in the hostfile" in row
+    assert last == "Nothing was started."

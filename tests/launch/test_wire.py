@@ -86,6 +86,8 @@ def test_the_preflight_exchange() -> None:
     assert wire.wait_hello(q, t0 + 0.1) is None and time.monotonic() - t0 >= 0.1  # silent
     assert wire.hello_problem(hello, version="1.0", python="py") is None
     assert wire.hello_problem(hello | {"error": "port busy"}, version="1.0", python="py") == ("preflight", "port busy")
+    busy = hello | {"error": "port busy", "error_kind": "port"}  # the agent says which (the table's problem column)
+    assert wire.hello_problem(busy, version="1.0", python="py") == ("port", "port busy")
     old = wire.hello_problem(hello, version="2.0", python="/py", hint=" (or --remote_python)")
     assert old == ("version", "/py there imports zerorun 1.0, this launcher is zerorun 2.0. "
                    "Install the same version on every node (or --remote_python).")  # fmt: skip

@@ -19,13 +19,17 @@ def print_error(err: ZerorunError) -> None:
     """Print a user error as a red panel on stderr (plain text when stderr is not a TTY)."""
     from rich.console import Console
     from rich.panel import Panel
+    from rich.text import Text
 
     console = Console(stderr=True, highlight=False)
     title = type(err).__name__
     if console.is_terminal:
-        console.print(Panel(str(err), title=f"[bold red]{title}", border_style="red", expand=False))
+        # Text, not markup: a message may hold brackets (`[host]:2222`, a path `[/x]`), which
+        # markup would take for style tags (or fail on, with a traceback).
+        console.print(Panel(Text(str(err)), title=f"[bold red]{title}", border_style="red", expand=False))
     else:
-        console.print(f"error ({title}): {err}", markup=False)
+        # Whole lines (no wrapping at an assumed 80 columns): logs keep a failure table intact.
+        console.print(f"error ({title}): {err}", markup=False, soft_wrap=True)
 
 
 def report_errors(fn: Callable[P, R]) -> Callable[P, R]:

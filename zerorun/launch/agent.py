@@ -205,6 +205,7 @@ def hello(msg: dict[str, Any]) -> dict[str, Any]:
     script = msg.get("script")
     runnable = script and (os.path.isfile(script) or os.path.isfile(os.path.join(script, "__main__.py")))
     if script and not runnable:  # `python DIR` runs DIR/__main__.py, as the launcher's own check allows
+        info["error_kind"] = "script"
         info["error"] = (
             f"the script {script} does not exist there (working directory {os.getcwd()}). Every "
             "node needs the code at the same path: a shared file system, or copy it first."
@@ -215,6 +216,7 @@ def hello(msg: dict[str, Any]) -> dict[str, Any]:
         info["port"] = _free_port()
     elif port is not None:
         if port_in_use(int(port)):
+            info["error_kind"] = "port"
             info["error"] = (
                 f"master port {port} is already in use there (another job?). Pick another with "
                 "--master_port, or leave it out to have a free one chosen."

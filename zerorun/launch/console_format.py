@@ -17,6 +17,7 @@ from typing import Any
 from zerorun.launch import rollup
 from zerorun.launch.plan import LaunchPlan
 from zerorun.launch.result import JobResult, RankState, describe_exit
+from zerorun.launch.text_table import table_text
 
 __all__ = [
     "format_bytes",
@@ -157,12 +158,6 @@ def failure_lines(result: JobResult) -> list[str]:
     if result.log_dir:
         lines.append(f"logs: {result.log_dir}")
     return lines
-
-
-def table_text(head: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
-    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
-    return [fmt.format(*head), *(fmt.format(*r) for r in rows)]
 
 
 def rollup_text(job: rollup.JobRollup) -> str:

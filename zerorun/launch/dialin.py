@@ -168,9 +168,9 @@ def prepare_dialed(
     Nothing starts before every node passed;
     a failure stops the command and raises LaunchError naming the nodes."""
     from zerorun._version import __version__
+    from zerorun.launch.fanout import Failed, failure_table
     from zerorun.launch.node_devices import adopt_node_devices
     from zerorun.launch.remote import check_devices, ssh_options_from
-    from zerorun.launch.ssh import join_errors
 
     names = [n.host.name for n in plan.nodes]
     listener = tcp_link.listen(0)
@@ -241,20 +241,21 @@ def prepare_dialed(
                 ),
             )
         hellos: dict[str, dict[str, Any]] = {}
-        errors: dict[str, str] = {}
+        errors: dict[str, Failed[str]] = {}
         hello_deadline = time.monotonic() + 30
         for name in names:
             msg = wire.wait_hello(links[name].messages, hello_deadline)
             problem = None if msg is None else wire.hello_problem(msg, version=__version__, python=python)
             if msg is None:
                 tail = "; ".join(links[name].stderr_tail[-3:] or step.tail[-3:])
-                errors[name] = f"{name}: the node agent did not answer the preflight" + (f" ({tail})" if tail else "")
+                why = "the node agent did not answer the preflight" + (f" ({tail})" if tail else "")
+                errors[name] = Failed(name, "timeout", why, 1)
             elif problem is not None:
-                errors[name] = f"{name}: {problem[1]}"
+                errors[name] = Failed(name, problem[0], problem[1], 1)
             else:
                 hellos[name] = msg
         if errors:
-            raise LaunchError(join_errors("The preflight", errors) + " Nothing was started.")
+            raise LaunchError(failure_table(errors, what="The preflight") + "\nNothing was started.")
         master = hellos[names[0]]
         auto = getattr(options, "device", None) in (None, "auto")
         if auto:

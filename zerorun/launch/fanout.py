@@ -8,11 +8,17 @@ timed out, sshd throttling new connections with MaxStartups) is retried with exp
 backoff and jitter. Retrying is only safe before the remote command has started (a retried
 `exec` could leave a duplicate agent running), so `connect` must cover only the part before it.
 Used by `launch/ssh.py` (real connections) and `launch/simulate.py` (simulated ones).
+
+`failure_table` is how every problem found before anything starts is reported, node by node:
+connecting, the agents' preflight (version, script, port, interpreter, working directory), the
+device check, on every transport (SSH, Slurm/MPI dial-in, the simulation): which node, what is
+wrong, the fix -- in the console's table format (`launch/text_table.py`, as its summaries).
 """
 
 from __future__ import annotations
 
 import random
+import re
 import threading
 import time
 from collections.abc import Callable, Hashable, Iterable, Mapping
@@ -21,8 +27,9 @@ from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from zerorun.errors import LaunchError
+from zerorun.launch.text_table import table_text
 
-__all__ = ["NodeFailure", "Failed", "fan_out", "failure_table", "DEFAULT_PARALLELISM"]
+__all__ = ["NodeFailure", "Failed", "fan_out", "failure_table", "split_fix", "DEFAULT_PARALLELISM"]
 
 DEFAULT_PARALLELISM = 32  # pdsh's default fan-out
 K = TypeVar("K", bound=Hashable)
@@ -96,23 +103,48 @@ def fan_out(
 
 
 def failure_table(
-    failures: Mapping[K, Failed[K]], *, what: str = "Connecting", names: Mapping[K, str] | None = None, limit: int = 50
+    failures: Mapping[K, Failed[K]],
+    *,
+    what: str = "Connecting",
+    names: Mapping[K, str] | None = None,
+    limit: int = 50,
+    unit: str = "node",
 ) -> str:
-    """The nodes that failed and why, one aligned row each (the first `limit`), with a count per
-    category first: `SSH failed on 12 nodes: 10 unreachable, 2 auth`."""
+    """The nodes that failed and why, one row each (the first `limit`): the node, the problem's
+    category, what is wrong and the fix (`split_fix` of the message), and how many tries when
+    any node was tried more than once; a count per category first: `SSH failed on 12 nodes: 10
+    unreachable, 2 auth` (`unit`: what a row is, "line" for a hostfile's)."""
     rows = sorted(failures.values(), key=lambda f: (f.category, str((names or {}).get(f.node, f.node))))
     counts: dict[str, int] = {}
     for f in rows:
         counts[f.category] = counts.get(f.category, 0) + 1
     plural = "s" if len(rows) != 1 else ""
-    head = f"{what} failed on {len(rows)} node{plural}: " + ", ".join(
+    head = f"{what} failed on {len(rows)} {unit}{plural}: " + ", ".join(
         f"{n} {c}" for c, n in sorted(counts.items(), key=lambda x: -x[1])
     )
-    cells = [(str((names or {}).get(f.node, f.node)), f.category, str(f.attempts), f.message) for f in rows[:limit]]
-    w0 = max([4, *(len(c[0]) for c in cells)])
-    w1 = max([6, *(len(c[1]) for c in cells)])
-    lines = [head, f"  {'node'.ljust(w0)}  {'reason'.ljust(w1)}  tries  detail"]
-    lines += [f"  {a.ljust(w0)}  {b.ljust(w1)}  {c.rjust(5)}  {d}" for a, b, c, d in cells]
+    tries = any(f.attempts > 1 for f in rows)
+    cells = []
+    for f in rows[:limit]:
+        wrong, fix = split_fix(f.message)
+        node = str((names or {}).get(f.node, f.node))
+        cells.append([node, f.category, *([str(f.attempts)] if tries else []), wrong, fix or "-"])
+    columns = [unit, "problem", *(["tries"] if tries else []), "what", "fix"]
+    lines = [head, *(f"  {line.rstrip()}" for line in table_text(columns, cells))]
     if len(rows) > limit:
         lines.append(f"  ... and {len(rows) - limit} more")
     return "\n".join(lines)
+
+
+# The end of a message's first sentence: a period (or two: "failed.." after a quoted error)
+# and a space, not after "e.g"/"i.e".
+_SENTENCE_END = re.compile(r"(?<!\be\.g)(?<!\bi\.e)\.+\s+(?=\S)")
+
+
+def split_fix(message: str) -> tuple[str, str]:
+    """A problem's message as (what is wrong, the fix): its first sentence and the rest, as
+    zerorun's messages are written ("cannot reach n1: no answer within 10 s. Check the name...").
+    A message of one sentence has no fix ("")."""
+    m = _SENTENCE_END.search(message)
+    if m is None:
+        return message.rstrip().rstrip("."), ""
+    return message[: m.start()], message[m.end() :].strip()

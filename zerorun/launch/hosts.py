@@ -105,39 +105,29 @@ def parse_hostfile(path: str | Path) -> list[Host]:
 
 
 def parse_hostfile_text(text: str, *, source: str = "<hostfile>") -> list[Host]:
+    """The hosts of a hostfile's text. Every bad line is reported, not only the first: one
+    HostfileError with the failure table (`fanout.failure_table`: the line and its host, what is
+    wrong, the fix), as the preflight reports nodes."""
+    from zerorun.launch.fanout import Failed, failure_table
+
     hosts: list[Host] = []
     seen: dict[str, int] = {}
+    bad: dict[str, Failed[str]] = {}
     for lineno, raw in enumerate(text.splitlines(), start=1):
         line = raw.split("#", 1)[0].strip()
         if not line:
             continue
         where = f"{source}:{lineno}"
-        tokens = line.split()
-        name = tokens[0]
-        if not is_valid_hostname(name):
-            hint = (
-                " For an IPv6 address or user@host, use an alias from ~/.ssh/config (HostName, User)."
-                if ":" in name or "@" in name
-                else ""
-            )
-            raise HostfileError(
-                f"{where}: {name!r} is not a host name. Use letters, digits, '-', '_' and '.', "
-                f"not starting with '-' (the line must read `HOST slots=N`).{hint}"
-            )
-        if name in seen:
-            raise HostfileError(
-                f"{where}: host {name!r} is listed twice (first on line {seen[name]}). "
-                "List each node once, with all its slots: `HOST slots=N`."
-            )
-        if len(tokens) < 2 or not _SLOTS.match(tokens[1]):
-            raise HostfileError(
-                f"{where}: host {name!r} has no `slots=N` (the line reads {raw.strip()!r}). "
-                f"Write `{name} slots=N`, N = the number of GPUs (or CPU ranks) on that node."
-            )
-        slots = _parse_slot_count(_SLOTS.match(tokens[1]).group(1), name, where)  # type: ignore[union-attr]
-        env = _parse_host_env(tokens[2:], name, where)
-        seen[name] = lineno
-        hosts.append(Host(name, tuple(range(slots)), env, where))
+        name = line.split()[0]
+        try:
+            host = _parse_line(line, raw, where, seen)
+        except _LineError as err:
+            bad[where] = Failed(f"{where} {name}", err.category, str(err), 1)
+            continue
+        seen[host.name] = lineno
+        hosts.append(host)
+    if bad:
+        raise HostfileError(failure_table(bad, what=f"hostfile {source}", unit="line") + "\nNothing was started.")
     if not hosts:
         raise HostfileError(
             f"hostfile {source} lists no hosts (only blank lines or comments). "
@@ -146,38 +136,80 @@ def parse_hostfile_text(text: str, *, source: str = "<hostfile>") -> list[Host]:
     return hosts
 
 
-def _parse_slot_count(text: str, name: str, where: str) -> int:
+class _LineError(Exception):
+    """One bad hostfile line: its category (the table's problem column) and message."""
+
+    def __init__(self, category: str, message: str) -> None:
+        super().__init__(message)
+        self.category = category
+
+
+def _parse_line(line: str, raw: str, where: str, seen: dict[str, int]) -> Host:
+    tokens = line.split()
+    name = tokens[0]
+    if not is_valid_hostname(name):
+        hint = (
+            " For an IPv6 address or user@host, use an alias from ~/.ssh/config (HostName, User)."
+            if ":" in name or "@" in name
+            else ""
+        )
+        raise _LineError(
+            "host name",
+            f"{name!r} is not a host name. Use letters, digits, '-', '_' and '.', "
+            f"not starting with '-' (the line must read `HOST slots=N`).{hint}",
+        )
+    if name in seen:
+        raise _LineError(
+            "listed twice",
+            f"host {name!r} is listed twice (first on line {seen[name]}). "
+            "List each node once, with all its slots: `HOST slots=N`.",
+        )
+    if len(tokens) < 2 or not _SLOTS.match(tokens[1]):
+        raise _LineError(
+            "slots",
+            f"host {name!r} has no `slots=N` (the line reads {raw.strip()!r}). "
+            f"Write `{name} slots=N`, N = the number of GPUs (or CPU ranks) on that node.",
+        )
+    slots = _parse_slot_count(_SLOTS.match(tokens[1]).group(1), name)  # type: ignore[union-attr]
+    env = _parse_host_env(tokens[2:], name)
+    return Host(name, tuple(range(slots)), env, where)
+
+
+def _parse_slot_count(text: str, name: str) -> int:
     try:
         slots = int(text)
     except ValueError:
-        raise HostfileError(
-            f"{where}: slots={text!r} for host {name!r} is not a whole number. Write e.g. `{name} slots=8`."
+        raise _LineError(
+            "slots", f"slots={text!r} for host {name!r} is not a whole number. Write e.g. `{name} slots=8`."
         ) from None
     if slots < 0:
-        raise HostfileError(f"{where}: slots={slots} for host {name!r} is negative; it must be at least 1.")
+        raise _LineError("slots", f"slots={slots} for host {name!r} is negative. It must be at least 1.")
     if slots == 0:
-        raise HostfileError(
-            f"{where}: host {name!r} has slots=0; comment the line out (`# {name} ...`) "
-            "or use --exclude to leave a node out."
+        raise _LineError(
+            "slots",
+            f"host {name!r} has slots=0. Comment the line out (`# {name} ...`) "
+            "or use --exclude to leave a node out.",
         )
     return slots
 
 
-def _parse_host_env(tokens: Sequence[str], name: str, where: str) -> dict[str, str]:
+def _parse_host_env(tokens: Sequence[str], name: str) -> dict[str, str]:
     env: dict[str, str] = {}
     for token in tokens:
         key, sep, value = token.partition("=")
         if not sep or not _ENV_NAME.match(key):
-            raise HostfileError(
-                f"{where}: unexpected {token!r} after the slots of host {name!r}. Only "
-                "`NAME=VALUE` environment settings for that host may follow `slots=N`."
+            raise _LineError(
+                "environment",
+                f"unexpected {token!r} after the slots of host {name!r}. Only "
+                "`NAME=VALUE` environment settings for that host may follow `slots=N`.",
             )
         if key == "slots":
-            raise HostfileError(f"{where}: host {name!r} gives slots= twice.")
+            raise _LineError("slots", f"host {name!r} gives slots= twice.")
         if is_plan_variable(key):
-            raise HostfileError(
-                f"{where}: {key} is set by the launcher for each node or rank and cannot be "
-                f"given for host {name!r}; remove it from the hostfile."
+            raise _LineError(
+                "environment",
+                f"{key} is set by the launcher for each node or rank and cannot be "
+                f"given for host {name!r}. Remove it from the hostfile.",
             )
         env[key] = value
     return env

@@ -21,6 +21,7 @@ from typing import Any
 from zerorun.errors import LaunchError
 from zerorun.launch import wire
 from zerorun.launch.agent_runner import AgentRunner
+from zerorun.launch.fanout import Failed, failure_table
 from zerorun.launch.knobs import env_number, heartbeat_timeout
 from zerorun.launch.messages import NodeRunner
 from zerorun.launch.plan import LaunchOptions, LaunchPlan
@@ -30,7 +31,6 @@ from zerorun.launch.ssh import (
     agent_command,
     close_client,
     connect_nodes,
-    join_errors,
 )
 
 __all__ = ["Preflight", "preflight", "prepare", "check_devices", "ssh_options_from"]
@@ -95,7 +95,8 @@ def preflight(
             )
         hellos, errors = _collect_hellos(channels, python, cwd, __version__, options.preflight_timeout_s)
         if errors:
-            raise LaunchError(join_errors("The preflight", errors) + " Nothing was started.")
+            names = {alias: ch.target.display for alias, ch in channels.items()}
+            raise LaunchError(failure_table(errors, what="The preflight", names=names) + "\nNothing was started.")
         if master is not None:
             hello = hellos[master]
             port = int(hello["port"])
@@ -105,7 +106,8 @@ def preflight(
                 raise LaunchError("internal: a local master needs its port chosen before the preflight")
             problem = local_port_check(master_port) if local_port_check else None
             if problem:
-                raise LaunchError(problem)
+                here = {"this machine": Failed("this machine", "port", problem, 1)}
+                raise LaunchError(failure_table(here, what="The preflight") + "\nNothing was started.")
             port = master_port
             # The launcher's address as the remote nodes see it (they all reached us on it).
             seen = {h.get("client_addr") for h in hellos.values() if h.get("client_addr")}
@@ -126,49 +128,49 @@ def preflight(
 
 def _collect_hellos(
     channels: dict[str, NodeChannel], python: str, cwd: str, version: str, timeout: float
-) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
+) -> tuple[dict[str, dict[str, Any]], dict[str, Failed[str]]]:
+    """Every node's `hello`, or what went wrong there (`fanout.Failed`, for `failure_table`)."""
     hellos: dict[str, dict[str, Any]] = {}
-    errors: dict[str, str] = {}
+    errors: dict[str, Failed[str]] = {}
     deadline = time.monotonic() + timeout
     for alias, ch in channels.items():
-        where = ch.target.display
         msg = wire.wait_hello(ch.messages, deadline)
         if msg is None:
             if time.monotonic() >= deadline:
-                errors[alias] = f"{where}: the node agent did not answer within {timeout:g} s."
+                errors[alias] = Failed(alias, "timeout", f"the node agent did not answer within {timeout:g} s", 1)
             else:
-                errors[alias] = _explain_early_exit(ch, python, cwd)
+                errors[alias] = Failed(alias, *_explain_early_exit(ch, python, cwd), 1)
             continue
         hint = " (or point --remote_python at an environment that has it)"
         problem = wire.hello_problem(msg, version=version, python=python, hint=hint)
         if problem is not None:
-            errors[alias] = f"{where}: {problem[1]}"
+            errors[alias] = Failed(alias, problem[0], problem[1], 1)
         else:
             hellos[alias] = msg
     return hellos, errors
 
 
-def _explain_early_exit(ch: NodeChannel, python: str, cwd: str) -> str:
+def _explain_early_exit(ch: NodeChannel, python: str, cwd: str) -> tuple[str, str]:
+    """(category, message) of an agent that exited before answering."""
     code = ch.exit_status()
     tail = "\n".join(ch.stderr_tail[-8:])
-    where = ch.target.display
     if "No module named" in tail and "zerorun" in tail:
-        return (
-            f"{where}: {python} there cannot import zerorun. Install zerorun on every node "
+        return "zerorun", (
+            f"{python} there cannot import zerorun. Install zerorun on every node "
             "(or point --remote_python at an environment that has it)."
         )
     if code == 127 or "No such file or directory" in tail and python in tail:
-        return (
-            f"{where}: the remote interpreter {python} does not exist there. Pass "
+        return "python", (
+            f"the remote interpreter {python} does not exist there. Pass "
             "--remote_python with the python that has zerorun installed on the nodes."
         )
     if "cd:" in tail or cwd in tail:
-        return (
-            f"{where}: cannot enter the working directory {cwd} there. Pass --remote_cwd with a "
+        return "cwd", (
+            f"cannot enter the working directory {cwd} there. Pass --remote_cwd with a "
             "directory that exists on every node (the script's path is resolved from it)."
         )
-    detail = f": {tail}" if tail else ""
-    return f"{where}: the node agent exited with status {code} before answering{detail}"
+    detail = f": {' | '.join(ch.stderr_tail[-3:])}" if tail else ""
+    return "agent", f"the node agent exited with status {code} before answering{detail}"
 
 
 def ssh_options_from(options: LaunchOptions) -> SshOptions:
@@ -259,7 +261,7 @@ def check_devices(plan: LaunchPlan, hellos: dict[str, dict[str, Any]], *, auto: 
     """The plan's device against the GPUs each node reported: a slot beyond a node's GPUs is
     an error, and so is a CPU job on GPU nodes that only happened because the launcher's own
     machine has no GPU (`--device auto` on a login node)."""
-    problems: list[str] = []
+    problems: dict[str, Failed[str]] = {}
     gpu_nodes: list[str] = []
     for node in plan.nodes:
         hello = hellos.get(node.host.name)
@@ -269,19 +271,19 @@ def check_devices(plan: LaunchPlan, hellos: dict[str, dict[str, Any]], *, auto: 
         if gpus:
             gpu_nodes.append(node.host.name)
         if plan.device == "cuda" and node.host.slots and max(node.host.slots) >= gpus:
-            problems.append(
+            problems[node.host.name] = Failed(node.host.name, "GPUs", (
                 f"{node.host.name} has {gpus} GPU(s), but the job uses its slot(s) "
-                f"{', '.join(map(str, node.host.slots))}; lower slots= in the hostfile or select "
+                f"{', '.join(map(str, node.host.slots))}. Lower slots= in the hostfile or select "
                 "fewer with --include/--num_gpus."
-            )
+            ), 1)
     if plan.device == "cpu" and auto and gpu_nodes:
-        problems.append(
+        problems["this machine"] = Failed("this machine", "device", (
             f"the nodes have GPUs ({', '.join(gpu_nodes)}) but this machine has none, so the job "
             "would run on CPU. Pass --device cuda to use the nodes' GPUs (or --device cpu to run "
             "on CPU anyway)."
-        )
+        ), 1)
     if problems:
-        raise LaunchError(join_errors("The device check", {str(i): p for i, p in enumerate(problems)}) + " Nothing was started.")
+        raise LaunchError(failure_table(problems, what="The device check") + "\nNothing was started.")
 
 
 def _with_cwd(plan: LaunchPlan, cwd: str) -> LaunchPlan:

@@ -196,9 +196,9 @@ def prepare(
             msg = wire.wait_hello(link.messages, deadline)
             problem = None if msg is None else wire.hello_problem(msg, version=__version__, python=sys.executable)
             if msg is None:
-                bad[r] = Failed(r, "timeout", f"{names[r]}: the node agent did not answer the preflight", 1)
+                bad[r] = Failed(r, "timeout", "the node agent did not answer the preflight", 1)
             elif problem is not None:
-                bad[r] = Failed(r, problem[0], f"{names[r]}: {problem[1]}", 1)
+                bad[r] = Failed(r, problem[0], problem[1], 1)
             else:
                 hellos[r] = msg
         if bad:

@@ -44,7 +44,6 @@ __all__ = [
     "resolve_target",
     "connect_nodes",
     "close_client",
-    "join_errors",
     "agent_command",
 ]
 
@@ -329,7 +328,8 @@ def connect_nodes(
     """Connect to every node, `options.parallelism` at a time; a transient failure (refused,
     timed out, sshd throttling) is retried with backoff -- only here, before the agent's
     command runs, so a retry never leaves a second agent behind. Any failure closes every
-    connection and raises one LaunchError with a table of every node that failed and why."""
+    connection and raises one LaunchError with a table of every node that failed and why
+    (`fanout.failure_table`, for one node as for many)."""
     fdlimit.check(2 * len(aliases), f"SSH connections to {len(aliases)} nodes")
 
     def attempt(alias: str, _attempt: int) -> tuple[SshTarget, paramiko.SSHClient]:
@@ -350,17 +350,8 @@ def connect_nodes(
     if failures:
         for _, client in results.values():
             close_client(client)
-        if len(failures) == 1:
-            raise LaunchError(next(iter(failures.values())).message + " Nothing was started.")
         raise LaunchError(failure_table(failures, what="SSH") + "\nNothing was started.")
     return results
-
-
-def join_errors(what: str, errors: dict[str, str]) -> str:
-    """One message for failures on several nodes (the single one as it is)."""
-    if len(errors) == 1:
-        return next(iter(errors.values()))
-    return f"{what} failed on {len(errors)} nodes:\n" + "\n".join(f"  - {e}" for e in errors.values())
 
 
 def agent_command(python: str, cwd: str) -> str:

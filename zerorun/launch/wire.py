@@ -18,10 +18,11 @@ launcher -> agent (`t` is the message type):
 - EOF on stdin: the launcher is gone or done -> kill every rank at once and exit.
 
 agent -> launcher:
-- `hello` {version, python, hostname, pid, server_addr, client_addr, port, error}:
+- `hello` {version, python, hostname, pid, server_addr, client_addr, port, error, error_kind}:
   `server_addr` is the address the launcher reached this node at (from SSH_CONNECTION),
   `client_addr` the launcher's address as this node sees it; `port` the master port checked
-  free (or picked), `error` a preflight problem on this node (port busy, cwd missing, ...).
+  free (or picked), `error` a preflight problem on this node (port busy, script missing), and
+  `error_kind` which (`port`, `script`: the launcher's failure table says so).
 - `started` {rank, pid}; `out` {rank, stream: "stdout"|"stderr", line}; `event` {rank, event};
   `exit` {rank, code} (negative: killed by that signal, as in subprocess); `hb` {};
   `error` {message}: the agent itself failed (cannot start a rank, bad plan).
@@ -33,7 +34,7 @@ import json
 import queue
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal
+from typing import Any
 
 from zerorun.launch.messages import RankEvent, RankExit, RankOutput, RankStarted
 
@@ -100,19 +101,18 @@ def wait_hello(messages: queue.Queue[dict[str, Any] | None], deadline: float) ->
             return msg
 
 
-def hello_problem(
-    msg: Mapping[str, Any], *, version: str, python: str, hint: str = ""
-) -> tuple[Literal["version", "preflight"], str] | None:
+def hello_problem(msg: Mapping[str, Any], *, version: str, python: str, hint: str = "") -> tuple[str, str] | None:
     """What is wrong with an agent's `hello`, as (kind, text): "version" (another zerorun or
-    protocol there than this launcher's `version`; `hint` follows the advice) or "preflight"
-    (the node's own error: port busy, script missing). None when it is good."""
+    protocol there than this launcher's `version`; `hint` follows the advice) or the node's own
+    error (its `error_kind`: "port" busy, "script" missing; "preflight" when it says no kind).
+    None when it is good."""
     if msg.get("version") != version or msg.get("protocol") != PROTOCOL_VERSION:
         return "version", (
             f"{python} there imports zerorun {msg.get('version')}, this launcher is zerorun {version}. "
             f"Install the same version on every node{hint}."
         )
     if msg.get("error"):
-        return "preflight", str(msg["error"])
+        return str(msg.get("error_kind") or "preflight"), str(msg["error"])
     return None
 
 
