@@ -37,6 +37,8 @@ def config(dtype: str, accum: int, clip: float, **zero: object) -> dict:
             "stage": 3,
             "stage3_param_persistence_threshold": THRESHOLD,
             "stage3_max_reuse_distance": 0,
+            # ZR_S3_ZERO (JSON) overrides zero_optimization keys for a whole launch
+            **json.loads(os.environ.get("ZR_S3_ZERO", "{}")),
             **zero,
         },
         "steps_per_print": 1000,
@@ -98,6 +100,7 @@ def structure(engine) -> dict:
         "launched_during_backward": st.hooks.launched_during_backward,
         "peak_live_numel": st.schedule.peak_live_numel,
         "max_group_numel": max(g.numel for g in part),
+        "root_numel": sum(g.numel for g in part if g.module is engine.module),
         "at_rest_bytes": sum(r.numel() * r.element_size() for g in part for r in g.at_rest),
         "at_rest_numel": sum(r.numel() for g in part for r in g.at_rest),
         "partitioned_numel": sum(g.numel for g in part),
@@ -449,8 +452,12 @@ def main() -> None:
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp:
         tmp_shared = str(out_path.parent) if tmp else tmp
+        # ZR_S3_CASES (comma list) narrows the matrix (test_stage3_schedule.py's extra launch).
+        only = set(filter(None, os.environ.get("ZR_S3_CASES", "").split(",")))
         for dtype, accum, clip in product(("fp32", "bf16"), (1, 4), (0.0, CLIP)):
             name = f"{dtype}-ga{accum}-clip{clip:g}"
+            if only and name not in only:
+                continue
             t = time.monotonic()
             r = run_equivalence(name, dtype, accum, clip, rank, world)
             if r is not None:

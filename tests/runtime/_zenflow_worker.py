@@ -1,7 +1,7 @@
-"""One rank (world 1) of the ZenFlow test (on the training device zerorun picks: CPU here, CUDA on a
+"""One rank (world 1 or 2) of the ZenFlow test (on the training device zerorun picks: CPU here, CUDA on a
 GPU machine): each case trains a small model through zerorun with
 `zero_optimization.zenflow` and, in the same process, through a plainly written reference of
-zerorun's ZenFlow rule (docs/offload.md); writes {case: result} for test_offload_zenflow.py.
+zerorun's ZenFlow rule (docs/offload.md); rank 0 writes {case: result} for test_offload_zenflow.py.
 
 argv: OUT_JSON. Run by test_offload_zenflow.py via _spawn.
 """
@@ -51,8 +51,8 @@ class Net(nn.Module):
 DEVICE = torch.device("cpu")  # the training device: run() sets it to the engine's
 
 
-def batch(step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1000 * step + micro)
+def batch(step: int, micro: int, rank: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + micro + 100_003 * rank)
     ids, tgt = torch.randint(0, VOCAB, (2, 8), generator=g), torch.randint(0, VOCAB, (2, 8), generator=g)
     return ids.to(DEVICE), tgt.to(DEVICE)
 
@@ -87,13 +87,24 @@ def config(stage: int, dtype: str, clip: float, accum: int, zf: tuple[float, int
     return cfg
 
 
-def reference(model: nn.Module, dtype: torch.dtype, clip: float, accum: int, steps: int, zf: tuple) -> dict:
+def reference(
+    model: nn.Module,
+    dtype: torch.dtype,
+    clip: float,
+    accum: int,
+    steps: int,
+    zf: tuple,
+    ranges: dict[str, list[tuple[int, int]]],
+    world: int,
+) -> dict:
     """zerorun's ZenFlow rule, plainly: AdamW on masked elements of whole parameters. Columns of
     a parameter of 2+ dimensions: its last dimension; 1-D parameters always important. The
     important elements step every step (their own counter, started from the warm-up count), the
     others on the mean of their k summed gradients at k times the learning rate every
     update_interval steps and before a re-selection (the host counter); selection = top ceil(topk * C) squared column norms of the
-    step's clipped gradient."""
+    step's clipped gradient, chosen separately in each rank's part of the parameter (`ranges`:
+    name -> the [lo, hi) of its flattened values each rank holds, from the flat layouts). The
+    gradient is the mean over the `world` ranks' batches (losses: rank 0's batch)."""
     topk, interval, update, warm = zf
     master = model
     compute = copy.deepcopy(master).to(dtype) if dtype != torch.float32 else master
@@ -117,15 +128,19 @@ def reference(model: nn.Module, dtype: torch.dtype, clip: float, accum: int, ste
 
     def select(grads: list[torch.Tensor]) -> list[torch.Tensor]:
         out = []
-        for g in grads:
+        for name, g in zip(names, grads, strict=True):
             if g.dim() < 2:
                 out.append(torch.ones_like(g, dtype=torch.bool))
                 continue
-            cols = g.shape[-1]
-            score = (g.reshape(-1, cols) ** 2).sum(0)
-            chosen = torch.zeros(cols, dtype=torch.bool, device=g.device)
-            chosen[torch.topk(score, min(cols, max(1, math.ceil(topk * cols)))).indices] = True
-            out.append(chosen.expand(g.reshape(-1, cols).shape).reshape(g.shape))
+            cols, flat = g.shape[-1], g.reshape(-1)
+            mask = torch.zeros(flat.numel(), dtype=torch.bool, device=g.device)
+            for lo, hi in ranges[name]:  # each rank chooses among the rows it holds
+                col = torch.arange(lo, hi, device=g.device) % cols
+                score = torch.zeros(cols, device=g.device).index_add_(0, col, flat[lo:hi] ** 2)
+                chosen = torch.zeros(cols, dtype=torch.bool, device=g.device)
+                chosen[torch.topk(score, min(cols, max(1, math.ceil(topk * cols)))).indices] = True
+                mask[lo:hi] = chosen[col]
+            out.append(mask.view(g.shape))
         return out
 
     def slow() -> None:
@@ -142,13 +157,16 @@ def reference(model: nn.Module, dtype: torch.dtype, clip: float, accum: int, ste
     for step in range(steps):
         grads = [torch.zeros_like(p, dtype=torch.float32) for p in cs]
         for micro in range(accum):
-            loss = compute(*batch(step, micro))
-            losses.append(float(loss.detach()))
-            (loss / accum).backward()
-            for g, p in zip(grads, cs, strict=True):
-                if p.grad is not None:
-                    g.add_(p.grad.float())
-                    p.grad = None
+            for r in range(world):  # each rank's gradient in the compute dtype, summed in fp32
+                loss = compute(*batch(step, micro, r))
+                if r == 0:
+                    losses.append(float(loss.detach()))
+                (loss / accum).backward()
+                for g, p in zip(grads, cs, strict=True):
+                    if p.grad is not None:
+                        g.add_(p.grad.float())
+                        p.grad = None
+        grads = [g / world for g in grads]
         if clip > 0:
             norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
             coef = torch.clamp(torch.tensor(clip, device=norm.device) / (norm + 1e-6), max=1.0)
@@ -182,7 +200,7 @@ def reference(model: nn.Module, dtype: torch.dtype, clip: float, accum: int, ste
     }
 
 
-def exact_losses(model: nn.Module, dtype: torch.dtype, clip: float, accum: int, steps: int) -> list[float]:
+def exact_losses(model: nn.Module, dtype: torch.dtype, clip: float, accum: int, steps: int, world: int) -> list[float]:
     """Plain AdamW on every element every step: what ZenFlow departs from."""
     master = model
     compute = copy.deepcopy(master).to(dtype) if dtype != torch.float32 else master
@@ -190,9 +208,9 @@ def exact_losses(model: nn.Module, dtype: torch.dtype, clip: float, accum: int, 
     losses = []
     for step in range(steps):
         for micro in range(accum):
-            loss = compute(*batch(step, micro))
-            losses.append(float(loss.detach()))
-            (loss / accum).backward()
+            per_rank = [compute(*batch(step, micro, r)) for r in range(world)]
+            losses.append(float(per_rank[0].detach()))
+            (sum(per_rank) / (world * accum)).backward()
         if compute is not master:
             for p, c in zip(master.parameters(), compute.parameters(), strict=True):
                 p.grad, c.grad = c.grad.float(), None
@@ -217,10 +235,16 @@ def run(name: str) -> dict:
     global DEVICE
     DEVICE = engine.device
     placement = engine.stage.state.placement
+    rank, world = engine.comm.rank, engine.comm.world_size
+    ranges: dict[str, list[tuple[int, int]]] = {}
+    for layout in engine.stage.state.layouts:
+        for r in range(layout.num_shards):
+            for slot, lo, hi in layout.pieces_in_range(*layout.shard_range(r)):
+                ranges.setdefault(slot.name, []).append((lo, hi))
     losses = []
     for step in range(steps):
         for micro in range(accum):
-            loss = engine(*batch(step, micro))
+            loss = engine(*batch(step, micro, rank))
             losses.append(loss.item())
             engine.backward(loss)
             engine.step()
@@ -243,9 +267,11 @@ def run(name: str) -> dict:
         "memory": memory,
     }
     engine.destroy()
+    if rank != 0:
+        return info
     # The reference runs on the training device too (the same matmul kernels as the engine).
-    ref = reference(ref_model.to(DEVICE), DTYPES[dtype], clip, accum, steps, zf)
-    exact = exact_losses(exact_model.to(DEVICE), DTYPES[dtype], clip, accum, steps)
+    ref = reference(ref_model.to(DEVICE), DTYPES[dtype], clip, accum, steps, zf, ranges, world)
+    exact = exact_losses(exact_model.to(DEVICE), DTYPES[dtype], clip, accum, steps, world)
 
     def err(a: torch.Tensor, b: torch.Tensor) -> list[float]:
         return [float((a - b).abs().max()), float(b.abs().max())]
@@ -264,7 +290,8 @@ def main() -> None:
     out = Path(sys.argv[1])
     torch.use_deterministic_algorithms(True)
     results = {name: run(name) for name in CASES}
-    out.write_text(json.dumps(results))
+    if torch.distributed.get_rank() == 0:
+        out.write_text(json.dumps(results))
     torch.distributed.destroy_process_group()
 
 

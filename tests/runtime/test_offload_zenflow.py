@@ -1,5 +1,7 @@
 """ZenFlow (zero_optimization.zenflow) through zerorun against a plainly written reference of its
-update rule (_zenflow_worker.reference; docs/offload.md), stages 1-3 at world 1 in one launch:
+update rule (_zenflow_worker.reference; docs/offload.md), stages 1-3 at world 1 and at world 2 (real
+gloo ranks: each rank selects among the rows of its own shard, the gradient is the ranks' mean), one
+launch per world:
 fp32 and bf16, clipping, gradient accumulation, re-selection and select-once, warm-up. Also
 that the rule really departs from exact AdamW (the math changes), and that the schedule of
 selections and CPU updates is the documented one."""
@@ -52,9 +54,10 @@ def test_cases_are_the_workers() -> None:
     assert _zenflow_worker.CASES == CASES
 
 
+@pytest.mark.parametrize("world", [1, 2])
 @pytest.mark.parametrize("name", list(CASES))
-def test_zenflow_matches_its_reference(results, name: str) -> None:  # noqa: ANN001
-    r = results(1)[name]
+def test_zenflow_matches_its_reference(results, name: str, world: int) -> None:  # noqa: ANN001
+    r = results(world)[name]
     stage, dtype, clip, accum, steps, (topk, select, update, warm) = CASES[name]
     assert r["placement"] == "ZenFlowPlacement"
     assert r["steps"] == steps and r["zf_steps"] == steps - warm

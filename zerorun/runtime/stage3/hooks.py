@@ -205,8 +205,9 @@ class Stage3Hooks:
                     register_multi_grad_hook(outs, _eager(lambda _grads: self.pre_backward(g)), mode="any")
                 if g is self._root_group or not self.reshard_after_forward:
                     return
-                # One rank: re-gathering is a local cast-copy, keeping costs memory at the peak.
-                if not g.trivial and self.schedule.keep_after_forward(g):
+                # One rank: re-gathering is a local cast-copy (no communication to save, with real
+                # collectives too), keeping costs memory at the peak.
+                if g.world > 1 and self.schedule.keep_after_forward(g):
                     return
             if g is not self._root_group:
                 g.release()

@@ -82,10 +82,11 @@ class ParamGroup:
         self.trivial = bool(getattr(comm, "trivial", self.world == 1))
         self.rest_dtype = param_dtype if (persistent or rest_dtype is None) else rest_dtype
         # Prefetching overlaps a collective or a host->device copy with compute. With one rank
-        # and the shard on the device, "gathering" is a cast-copy on the compute stream: nothing
-        # to overlap, so a prefetched group would only hold memory earlier (a whole block at
-        # the activation peak).
-        self.prefetch_pays = not (self.trivial and store.resident)
+        # and the shard on the device, "gathering" is a cast-copy on the compute stream (the
+        # all-gather is in place, gather_async: with real collectives too, it moves nothing):
+        # nothing to overlap, so a prefetched group would only hold memory earlier (a whole
+        # block at the activation peak). FSDP2 skips both its all-gather and its prefetch there.
+        self.prefetch_pays = not (self.world == 1 and store.resident)
         self.resident = persistent or (self.world == 1 and store.resident and self.rest_dtype == param_dtype)
         self.numel = sum(layout.padded_numel for layout in self.layouts)
         self.state = RELEASED
@@ -144,11 +145,16 @@ class ParamGroup:
             full.untyped_storage().resize_(full.numel() * full.element_size())
             fetched = self.store.fetch(layout.index, rest)
             self._fetched.append(fetched)
-            if fetched.dtype != self.dtype and not self.trivial:
-                # fp32 at rest: cast this rank's shard once; the collective moves 16-bit data.
-                # (With one rank the all-gather is a copy, which casts by itself.)
-                fetched = fetched.to(self.dtype)
-            self._pending.append(self.comm.all_gather(full, fetched))
+            shard = fetched
+            if fetched.dtype != self.dtype:
+                # fp32 at rest: cast this rank's shard straight into its own slot of the gather
+                # buffer and gather in place (FSDP2's copy-in): no shard-sized 16-bit temporary
+                # alive until the wait, and the collective moves 16-bit data. With one rank the
+                # slot is the whole buffer and the all-gather has nothing left to move.
+                start, end = layout.shard_range(self.rank)
+                shard = full[start:end]
+                shard.copy_(fetched)
+            self._pending.append(self.comm.all_gather(full, shard))
         self.state = GATHERING
         return True
 
@@ -196,10 +202,13 @@ class ParamGroup:
         kernel each), free them, and reduce-scatter into the gradient shard (averaged)."""
         out: list[Pending] = []
         k = 0
+        # One rank with real collectives (ZERORUN_DEBUG_COLLECTIVES): the shard is the whole
+        # buffer, so the reduction runs in place and the staging buffer becomes the shard.
+        in_place = self.world == 1 and not self.trivial
         for li, (layout, pad) in enumerate(zip(self.layouts, self._pads, strict=True)):
             shard = self.grad_shards[li]
             fresh = shard is None  # first reduction since zero_grad: write instead of add
-            if shard is None:
+            if shard is None and not in_place:
                 shard = torch.empty(layout.shard_numel, dtype=self.reduce_dtype, device=self.device)
                 self.grad_shards[li] = shard
             parts = []
@@ -220,6 +229,7 @@ class ParamGroup:
             if pad.numel():
                 parts.append(pad)
             if self.trivial:
+                assert shard is not None
                 if fresh:
                     torch.cat(parts, out=shard)
                 else:
@@ -228,6 +238,14 @@ class ParamGroup:
             staging = torch.empty(layout.padded_numel, dtype=self.reduce_dtype, device=self.device)
             torch.cat(parts, out=staging)
             del parts
+            if in_place:  # (nothing to divide by)
+                if shard is None:
+                    self.grad_shards[li] = staging
+                    out.append(self.comm.reduce_scatter(staging, staging))
+                else:
+                    out.append(self.comm.reduce_scatter(staging, staging, then=functools.partial(shard.add_, staging)))
+                continue
+            assert shard is not None
             # Pre-divide: gloo has no PREMUL_SUM (exact for powers of two, as in grad_reduce.py).
             staging.div_(self.world)
             if fresh:

@@ -15,8 +15,10 @@ Limits (DeepSpeed's keys, in elements of the compute dtype):
   ahead of the current group (the first group is always allowed, as in DeepSpeed);
 * ``stage3_max_live_parameters`` -- no prefetch may bring the gathered total above this; a group
   needed *now* is always gathered, so at most this plus one group is ever alive;
-* ``stage3_max_reuse_distance`` -- after its forward a group stays gathered if it will run again
-  within this many gathered elements (e.g. the last blocks, which the backward needs first).
+* ``stage3_max_reuse_distance`` -- after its forward a group stays gathered if fewer than this
+  many elements are gathered before it runs again (e.g. the last blocks, which the backward needs
+  first); 0 keeps nothing (DeepSpeed's reading). Only with several ranks (hooks.py): with one
+  there is no communication to save.
 """
 
 from __future__ import annotations
@@ -105,6 +107,7 @@ class Schedule:
 
     def prefetch(self, current: ParamGroup, upcoming: Sequence[int]) -> None:
         if self.prefetch_numel <= 0 or not current.prefetch_pays:
+            self.note_live()
             return
         ahead = 0
         seen = {current.index}
@@ -130,8 +133,8 @@ class Schedule:
         self.note_live()
 
     def keep_after_forward(self, g: ParamGroup) -> bool:
-        """Will ``g`` run again within ``stage3_max_reuse_distance`` gathered elements? Looks at
-        the rest of this forward as predicted, then the backward (reverse order)."""
+        """Will ``g`` run again before ``stage3_max_reuse_distance`` elements are gathered? Looks
+        at the rest of this forward as predicted, then the backward (reverse order)."""
         pos = len(self.fwd_cur) - 1
         if not (pos < len(self.fwd_prev) and self.fwd_prev[pos] == g.index):
             return False
@@ -139,7 +142,7 @@ class Schedule:
         rest = self.fwd_prev[pos + 1 :]
         for gi in rest:
             if gi == g.index:
-                return distance <= self.max_reuse_distance
+                return distance < self.max_reuse_distance
             distance += self.groups[gi].numel
         # The backward runs the groups after g again (reverse order) before reaching g.
-        return 2 * distance <= self.max_reuse_distance
+        return 2 * distance < self.max_reuse_distance
