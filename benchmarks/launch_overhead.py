@@ -12,10 +12,10 @@ seconds of their printing loop (final flush included) and their process's total 
 rank program runs in every mode:
 
     devnull          ranks started by the harness, stdout to /dev/null (the floor)
-    pipe_cat         ranks started by the harness, stdout to one pipe drained by `cat`
-    torchrun         `torchrun --standalone` (ranks inherit its stdout: the pipe to `cat`)
+    pipe_cat         ranks started by the harness, stdout to one pipe drained by `grep -c`
+    torchrun         `torchrun --standalone` (ranks inherit its stdout: the pipe to `grep -c`)
     torchrun_tee3    `torchrun --standalone --tee 3 --log-dir D` (ranks write files, torchrun tails them)
-    zerorun          `zerorun --num_gpus N`, stdout a pipe to `cat` (the plain console)
+    zerorun          `zerorun --num_gpus N`, stdout a pipe to `grep -c` (the plain console)
     zerorun_log      the same with `--log-dir D` (every line also written to rankN.log)
     torchrun_tty     torchrun with a terminal (pty drained by `cat`) as stdout/stderr
     zerorun_tty      zerorun with a terminal: its default (rich) console with the live panel
@@ -58,7 +58,6 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-BIN = Path(sys.executable).parent
 RESULTS = REPO / "benchmarks" / "results" / "launch_overhead.json"
 
 OUTPUT_MODES = (
@@ -72,6 +71,8 @@ OUTPUT_MODES = (
     "zerorun_tty",
 )
 
+# A rank's line, whole: `rank R xxx...x I`, after a launcher's prefix (`[R] `, `[default0]:`).
+_WHOLE = r"^(\[[a-z0-9:]+\]:? *)?rank [0-9]+ x{60} [0-9]+$"
 _FLOOD = """import json, os, resource, sys, time
 n = int(os.environ["ZR_LINES"])
 rank = os.environ.get("RANK", "0")
@@ -98,7 +99,9 @@ sys.stdout.write(f"first {os.environ['RANK']}\\n"); sys.stdout.flush()
 def _env(**extra: str) -> dict[str, str]:
     env = dict(os.environ)
     env.update({"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "TORCH_CPP_LOG_LEVEL": "ERROR", **extra})
-    env.pop("CUDA_VISIBLE_DEVICES", None)
+    # CPU ranks everywhere: on a GPU machine zerorun would otherwise put the ranks on the GPU
+    # (and its shim would import torch to pick the device).
+    env["CUDA_VISIBLE_DEVICES"] = ""
     env.pop("PYTHONUNBUFFERED", None)
     return env
 
@@ -106,7 +109,8 @@ def _env(**extra: str) -> dict[str, str]:
 def _launcher_command(launcher: str, nproc: int, script: Path) -> list[str]:
     if launcher == "zerorun":
         return [sys.executable, "-m", "zerorun", "--num_gpus", str(nproc), str(script)]
-    return [str(BIN / "torchrun"), "--standalone", f"--nproc_per_node={nproc}", str(script)]
+    # `python -m torch.distributed.run` is the `torchrun` command, wherever its script lies.
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(script)]
 
 
 # --- output: a chatty rank ------------------------------------------------------------------
@@ -149,7 +153,9 @@ def run_output_mode(mode: str, nproc: int, lines: int, script: Path, work: Path)
         out_fd, err_fd = sink_w, sink_w
     else:
         r, sink_w = os.pipe()
-        drain = subprocess.Popen(["cat"], stdin=r, stdout=subprocess.DEVNULL)
+        # A reader about as cheap as `cat` to /dev/null that also counts the ranks' lines that
+        # came whole: one rank's line, alone on its line, after the launcher's prefix if any.
+        drain = subprocess.Popen(["grep", "-c", "-E", _WHOLE], stdin=r, stdout=subprocess.PIPE, text=True)
         os.close(r)
         out_fd, err_fd = sink_w, sink_w
     base = mode.removesuffix("_tty")
@@ -160,7 +166,7 @@ def run_output_mode(mode: str, nproc: int, lines: int, script: Path, work: Path)
         launcher = "zerorun" if base.startswith("zerorun") else "torchrun"
         argv = _launcher_command(launcher, nproc, script)
         if base == "torchrun_tee3":
-            argv[1:1] = ["--tee", "3", "--log-dir", str(logs)]
+            argv[3:3] = ["--tee", "3", "--log-dir", str(logs)]
         elif base == "zerorun_log":
             argv[3:3] = ["--log-dir", str(logs)]
         argvs, envs = [argv], [env]
@@ -177,17 +183,19 @@ def run_output_mode(mode: str, nproc: int, lines: int, script: Path, work: Path)
         codes.append(code)
         tree_cpu += cpu
     exited = time.perf_counter()
-    drain_cpu = 0.0
+    drain_cpu, seen = 0.0, None
     if drain is not None:
-        try:
-            _, drain_cpu = _wait4(drain.pid)
-            drain.returncode = 0
-        except ChildProcessError:
-            pass
+        if drain.stdout is not None:
+            seen = int(drain.stdout.read().strip() or 0)
+            drain.stdout.close()
+        _, drain_cpu = _wait4(drain.pid)
+        drain.returncode = 0
     done = time.perf_counter()
     ranks = [json.loads((results / f"rank{r}.json").read_text()) for r in range(nproc)]
     if any(codes) or len(ranks) != nproc:
         raise RuntimeError(f"{mode}: exit codes {codes}, {len(ranks)} of {nproc} ranks reported")
+    if seen is not None and seen != nproc * lines and mode.startswith("zerorun"):
+        raise RuntimeError(f"{mode}: {seen} of the ranks' {nproc * lines} lines reached the reader")
     rank_cpu = sum(r["cpu_s"] for r in ranks)
     return {
         "mode": mode,
@@ -199,6 +207,10 @@ def run_output_mode(mode: str, nproc: int, lines: int, script: Path, work: Path)
         # The launcher's own CPU: the tree's minus the ranks'; 0 when the harness starts the ranks.
         "launcher_cpu_s": max(0.0, tree_cpu - rank_cpu) if len(procs) == 1 else 0.0,
         "drain_cpu_s": drain_cpu,
+        # The ranks' lines that reached the launcher's stdout whole (pipe modes; None: not
+        # counted): ranks sharing one pipe (torchrun) interleave their buffered writes mid-line.
+        "lines_whole": seen,
+        "lines_not_whole": None if seen is None else nproc * lines - seen,
         "load_avg": round(os.getloadavg()[0], 2),
     }
 
