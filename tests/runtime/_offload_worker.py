@@ -152,7 +152,17 @@ def run_case(case: oc.OCase, rank: int, world: int, nvme_dir: str) -> dict | Non
     placement = engine.stage.state.placement
     inject = {tuple(x) for x in case.inject}
     losses, norms, scales_before, in_flight, queued = [], [], [], [], []
+    ready: list[int] = []  # flat buffers in the order the stage said their gradients were final
+    if hasattr(placement, "grad_ready"):
+        hook = placement.grad_ready
+
+        def record(index: int, grad_shard: torch.Tensor, optimizer: object) -> None:
+            ready.append(index)
+            hook(index, grad_shard, optimizer)
+
+        placement.grad_ready = record
     for step in range(case.steps):
+        ready.clear()
         scales_before.append(engine.get_loss_scale())
         for micro in range(case.accum):
             ids, tgt = _models.batch(seed, step, micro, rank, oc.MICRO_BATCH)
@@ -195,6 +205,7 @@ def run_case(case: oc.OCase, rank: int, world: int, nvme_dir: str) -> dict | Non
             m.numel() for m, d in zip(engine.stage.state.masters, getattr(placement, "on_device", []), strict=False) if d
         ),
         "device_budget_numel": getattr(getattr(placement, "opts", None), "device_budget_numel", 0),
+        "ready_order": list(ready),  # the last step's
     }
     compute = compute_params(model, case.stage)
     engine.destroy()

@@ -96,6 +96,17 @@ def test_offload_matches_reference(results, world: int, case: OCase) -> None:  #
                 assert 0 < x["device_numel"] <= x["device_budget_numel"] == int(case.budget_gb * 1e9 // 12), x
             else:
                 assert case.ratio <= x["host_share"] < 1.0, (x["host_share"], case.ratio)
+            # The device keeps the buffers whose gradients are final last (twinflow.ready_order;
+            # a first-ready one only if it still fits): the host's part is reduced first, so its
+            # CPU step starts early in the backward.
+            order = x["ready_order"]
+            assert sorted(order) == list(range(x["n_buffers"])), order
+            if case.stage == 1:
+                continue  # (stage 1 reduces at the boundary only, the order is the reducer's)
+            pos = {b: k for k, b in enumerate(order)}
+            dev = [pos[b] for b, d in enumerate(x["on_device"]) if d]
+            host = [pos[b] for b, d in enumerate(x["on_device"]) if not d]
+            assert sum(dev) / len(dev) > sum(host) / len(host), (order, x["on_device"])
     else:
         assert all(not any(x["on_device"]) for x in ranks)
     if case.param != "none":

@@ -13,7 +13,7 @@ from zerorun.config import load_config
 from zerorun.errors import ConfigError
 from zerorun.estimate import model_state_bytes, offload_budget_numel
 from zerorun.runtime.offload.options import options_from_settings
-from zerorun.runtime.offload.twinflow import device_buffers
+from zerorun.runtime.offload.twinflow import device_buffers, ready_order
 from zerorun.runtime.settings import settings_from_config
 
 
@@ -101,6 +101,20 @@ def test_device_buffers(numels: list[int], ratio: float | None, budget: int, exp
         assert on_dev <= (1 - ratio) * sum(numels) + 1e-9
     else:
         assert on_dev <= budget
+
+
+def test_device_buffers_follow_the_ready_order() -> None:
+    """The device takes the buffers whose gradients are final last: stages 1-2 the last flat
+    buffers, stage 3 the first (module groups in forward order, the root group first)."""
+    assert ready_order(4, 2) == [0, 1, 2, 3] and ready_order(4, 1) == [0, 1, 2, 3]
+    assert ready_order(4, 3) == [3, 2, 1, 0]
+    numels = [30, 10, 10, 10]
+    assert device_buffers(numels, 0.5, 0, ready_order(4, 2)) == [False, True, True, True]
+    assert device_buffers(numels, 0.5, 0, ready_order(4, 3)) == [True, False, False, False]  # 30 of 60
+    assert device_buffers(numels, 0.6, 0, ready_order(4, 3)) == [False, True, True, False]  # 30 > 24: skipped
+    assert device_buffers([10, 10, 10], None, 15, [2, 0, 1]) == [False, True, False]
+    with pytest.raises(ValueError, match="not a permutation"):
+        device_buffers([10, 10], 0.5, 0, [0, 0])
 
 
 def test_settings_carry_ratio_and_budget() -> None:

@@ -49,7 +49,7 @@ from zerorun.runtime.offload.dpu import DelayPolicy
 from zerorun.runtime.offload.host import Copier, host_empty, tiles
 from zerorun.runtime.offload.options import OffloadOptions
 from zerorun.runtime.offload.runner import StepRunner
-from zerorun.runtime.offload.twinflow import device_buffers
+from zerorun.runtime.offload.twinflow import device_buffers, ready_order
 from zerorun.runtime.sharded_state import ShardPlacement
 
 __all__ = ["HostPlacement", "StepJob", "TileView"]
@@ -156,7 +156,11 @@ class HostPlacement(ShardPlacement):
     # -- ShardPlacement -------------------------------------------------------------------------
     def plan(self, numels: Sequence[int], layouts: Sequence[Any] | None = None, shard_index: int = 0) -> None:
         split = self.partial_ok and (self.opts.ratio is None or self.opts.ratio < 1.0)
-        self._plan = device_buffers(numels, self.opts.ratio, self.opts.device_budget_numel) if split else None
+        if split:
+            order = ready_order(len(numels), self.opts.stage)
+            self._plan = device_buffers(numels, self.opts.ratio, self.opts.device_budget_numel, order)
+        else:
+            self._plan = None
 
     @property
     def host_share(self) -> float:
