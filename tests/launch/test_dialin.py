@@ -60,11 +60,9 @@ def test_agents_dial_in_a_stranger_is_turned_away_and_close_ends_the_step(tmp_pa
     planned, runners = prepare_dialed(
         plan,
         options,
-        command=lambda _target: [sys.executable, str(step_script), str(tmp_path / "silent.pid")],
-        env=env,
-        cwd=str(tmp_path),
-        python=sys.executable,
-        node_of=lambda node: node if node == "n1" else None,
+        command=lambda _setup: [sys.executable, str(step_script), str(tmp_path / "silent.pid")],
+        node_of=lambda node, names: node if node in names else None,
+        environ=env,
     )
     took = time.monotonic() - t0
     os.kill(int((tmp_path / "silent.pid").read_text()), signal.SIGKILL)

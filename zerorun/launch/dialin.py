@@ -23,10 +23,11 @@ import secrets
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import replace
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 from zerorun.errors import LaunchError
@@ -35,7 +36,7 @@ from zerorun.launch.agent_runner import AgentRunner
 from zerorun.launch.knobs import env_number
 from zerorun.launch.link import Link, LinkHub
 
-__all__ = ["local_addresses", "DialedStep", "DialedRunner", "prepare_dialed", "START_TIMEOUT_S"]
+__all__ = ["local_addresses", "DialSetup", "DialedStep", "DialedRunner", "prepare_dialed", "START_TIMEOUT_S"]
 
 # How long the agents get to dial in after the command started (node start-up, a busy scheduler).
 START_TIMEOUT_S = 60.0
@@ -149,36 +150,56 @@ class DialedRunner(AgentRunner):
                 self.owns_hub.close()
 
 
+@dataclass(frozen=True)
+class DialSetup:
+    """What a scheduler's command is built from (`launch/slurm.py`, `launch/mpi.py`)."""
+
+    names: tuple[str, ...]  # the nodes' host names, in the plan's order
+    python: str  # the interpreter on the nodes (--remote_python, else this one)
+    cwd: str  # the working directory on the nodes (--remote_cwd, else the plan's)
+    # The command's environment, which srun/mpirun hand to the agents and the agents' ranks
+    # inherit under each node's `node.env`: the launcher's, less `withheld` (secret-looking
+    # variables nobody named, `environment.EnvSpec.withheld`), as over SSH. The dial
+    # variables are added to it when the command starts.
+    env: Mapping[str, str]
+
+
 def prepare_dialed(
     plan: Any,
     options: Any,
     *,
-    command: Callable[[str], list[str]],
-    env: Mapping[str, str],
-    cwd: str,
-    python: str,
-    node_of: Callable[[str], str | None],
+    command: Callable[[DialSetup], list[str]],
+    node_of: Callable[[str, Sequence[str]], str | None],
+    withheld: Sequence[str] = (),
+    environ: Mapping[str, str] | None = None,
     ranks_from_gpus: bool = False,
 ) -> tuple[Any, list[Any]]:
-    """Run `command(dial_target)` (argv; `dial_target` is `HOSTS:PORT`) with `env` plus the dial
-    variables, wait for every node's agent, run the preflight, return the plan with the master
-    the ranks will use and one runner per node. `node_of(dial_node)` maps an agent's `node` to
-    its host name in the plan (None: not one of ours). Without `--device`, the device is each
-    node's own (`launch/node_devices.py`; `ranks_from_gpus`: a GPU node runs a rank per GPU).
-    Nothing starts before every node passed;
-    a failure stops the command and raises LaunchError naming the nodes."""
+    """Run `command(setup)` (argv) with the setup's environment plus the dial variables, wait
+    for every node's agent, run the preflight, return the plan with the master the ranks will
+    use and one runner per node. `node_of(dial_node, names)` maps an agent's `node` to its host
+    name in the plan (None: not one of ours). Without `--device`, the device is each node's own
+    (`launch/node_devices.py`; `ranks_from_gpus`: a GPU node runs a rank per GPU). Nothing
+    starts before every node passed; a failure stops the command and raises LaunchError naming
+    the nodes."""
     from zerorun._version import __version__
     from zerorun.launch.fanout import Failed, failure_table
     from zerorun.launch.node_devices import adopt_node_devices
     from zerorun.launch.remote import check_devices, ssh_options_from
 
-    names = [n.host.name for n in plan.nodes]
+    skip = set(withheld)
+    setup = DialSetup(
+        names=tuple(n.host.name for n in plan.nodes),
+        python=options.remote_python or sys.executable,
+        cwd=options.remote_cwd or plan.cwd,
+        env={k: v for k, v in (os.environ if environ is None else environ).items() if k not in skip},
+    )
+    names, python, cwd, env = list(setup.names), setup.python, setup.cwd, setup.env
+    argv = command(setup)
     listener = tcp_link.listen(0)
     port = listener.getsockname()[1]
     token = secrets.token_hex(16)
     addresses = [a for a in [env.get("ZERORUN_LAUNCHER_ADDR", ""), *local_addresses()] if a]
     target = f"{','.join(addresses)}:{port}"
-    argv = command(target)
     hub = LinkHub()
     step = DialedStep(argv, {**env, "ZERORUN_AGENT_DIAL": target, "ZERORUN_AGENT_TOKEN": token}, cwd)
     links: dict[str, Link] = {}
@@ -207,7 +228,7 @@ def prepare_dialed(
                         link.close()
                     continue
                 pending.remove(entry)
-                name = node_of(str(hello.get("node"))) if hello and hello.get("t") == "dial" else None
+                name = node_of(str(hello.get("node")), setup.names) if hello and hello.get("t") == "dial" else None
                 if hello is None or not _token_matches(hello.get("token"), token) or name not in names or name in links:
                     link.close()  # not one of ours (or a duplicate): ignore
                     continue

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import os
 import shlex
-import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -64,27 +63,25 @@ def prepare(
     environ: Mapping[str, str] | None = None,
 ) -> tuple[Any, list[Any]]:
     """Start the agents with mpirun, run the preflight over their links; the plan with the
-    master the ranks will use and one runner per node. Remote ranks start from their node's
-    environment plus the job's layers (`node.env`), as over SSH."""
-    from zerorun.launch.dialin import prepare_dialed
+    master the ranks will use and one runner per node (`launch/dialin.py`, which builds the
+    environment mpirun runs with). Remote ranks start from their node's environment plus the
+    job's layers (`node.env`), as over SSH."""
+    from zerorun.launch.dialin import DialSetup, prepare_dialed
 
     if any(n.is_local for n in plan.nodes):
         raise LaunchError(
             "--launcher mpi starts every node through mpirun; a `localhost` line in the hostfile is not a "
             "node mpirun can address the same way. Name this machine by its host name (or use --launcher ssh)."
         )
-    env = {k: v for k, v in (os.environ if environ is None else environ).items() if k not in set(withheld)}
-    names = [n.host.name for n in plan.nodes]
-    python = options.remote_python or sys.executable
-    cwd = options.remote_cwd or plan.cwd
-    forward = [name for name in ("PYTHONPATH",) if env.get(name)]
 
-    def command(_target: str) -> list[str]:
+    def command(setup: DialSetup) -> list[str]:
+        forward = [name for name in ("PYTHONPATH",) if setup.env.get(name)]
         return mpirun_command(
-            names, python=python, cwd=cwd, mpi_args=options.mpi_args, as_root=os.geteuid() == 0, forward=forward
-        )
+            setup.names, python=setup.python, cwd=setup.cwd, mpi_args=options.mpi_args, as_root=os.geteuid() == 0,
+            forward=forward,
+        )  # fmt: skip
 
-    def node_of(mpi_rank: str) -> str | None:
+    def node_of(mpi_rank: str, names: Sequence[str]) -> str | None:
         return names[int(mpi_rank)] if mpi_rank.isdigit() and int(mpi_rank) < len(names) else None
 
-    return prepare_dialed(plan, options, command=command, env=env, cwd=cwd, python=python, node_of=node_of)
+    return prepare_dialed(plan, options, command=command, node_of=node_of, withheld=withheld, environ=environ)

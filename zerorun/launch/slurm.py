@@ -16,9 +16,7 @@ status); with no task left, Slurm kills whatever srun started.
 
 from __future__ import annotations
 
-import os
 import shlex
-import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -68,26 +66,22 @@ def prepare(
     environ: Mapping[str, str] | None = None,
 ) -> tuple[Any, list[Any]]:
     """Start the agents with srun (`launch/dialin.py`: they dial back, the SSH preflight runs over
-    their links), return the plan with the master the ranks will use and one runner per node.
+    their links, the environment srun hands them is built there), return the plan with the
+    master the ranks will use and one runner per node."""
+    from zerorun.launch.dialin import DialSetup, prepare_dialed
 
-    srun hands its environment to the agents, whose ranks inherit it (as local ranks inherit the
-    launcher's), under each node's `node.env`; `withheld` names (secret-looking variables nobody
-    named, `environment.EnvSpec.withheld`) are left out, as over SSH."""
-    from zerorun.launch.dialin import prepare_dialed
+    def command(setup: DialSetup) -> list[str]:
+        return srun_command(
+            setup.names, python=setup.python, cwd=setup.cwd, in_step=slurm.in_step, slurm_args=options.slurm_args
+        )
 
-    env = dict(os.environ if environ is None else environ)
-    names = [n.host.name for n in plan.nodes]
-    python = options.remote_python or sys.executable
-    cwd = options.remote_cwd or plan.cwd
-    argv = srun_command(names, python=python, cwd=cwd, in_step=slurm.in_step, slurm_args=options.slurm_args)
     return prepare_dialed(
         plan,
         options,
-        command=lambda _target: argv,
-        env={k: v for k, v in env.items() if k not in set(withheld)},
-        cwd=cwd,
-        python=python,
-        node_of=lambda node: node if node in names else None,
+        command=command,
+        node_of=lambda node, names: node if node in names else None,
+        withheld=withheld,
+        environ=environ,
         # Ranks per node: --num_gpus if given, else the node's GPUs, else SLURM_TASKS_PER_NODE.
         ranks_from_gpus=options.num_gpus is None,
     )
