@@ -286,10 +286,70 @@ def run(name: str) -> dict:
     }
 
 
+# Checkpoint of an open update interval: (stage, steps, save after, zenflow) -- fp32, update
+# every 3 steps, re-selection every 4: saved after 6 steps (one warm-up step + 5 selective ones)
+# the interval holds one step's gradient sum; after the resume come an update and a re-selection.
+RESUME: dict[str, tuple[int, int, int, tuple[float, int, int, int]]] = {
+    "resume-z2": (2, 10, 6, (0.25, 4, 3, 1)),
+    "resume-z3": (3, 10, 6, (0.25, 4, 3, 1)),
+}
+
+
+def resume(name: str, ckpt: Path) -> dict:
+    """The same run three ways: uninterrupted; stopped after `save_at` steps with a checkpoint;
+    resumed from it into a model built with other weights. The resumed steps must be the
+    uninterrupted ones."""
+    stage, steps, save_at, zf = RESUME[name]
+    cfg = config(stage, "fp32", 0.0, 1, zf)
+    torch.manual_seed(7)
+    model = Net()
+
+    def train(engine: object, first: int, last: int) -> list[float]:
+        rank = engine.comm.rank  # type: ignore[attr-defined]
+        out = []
+        for step in range(first, last):
+            loss = engine(*batch(step, 0, rank))  # type: ignore[operator]
+            out.append(loss.item())
+            engine.backward(loss)  # type: ignore[attr-defined]
+            engine.step()  # type: ignore[attr-defined]
+        return out
+
+    engine, _, _, _ = zerorun.initialize(model=copy.deepcopy(model), config=cfg)
+    whole = train(engine, 0, steps)
+    masters_whole = _models.full_masters(engine)
+    engine.destroy()
+
+    engine, _, _, _ = zerorun.initialize(model=copy.deepcopy(model), config=cfg)
+    train(engine, 0, save_at)
+    p = engine.stage.state.placement
+    at_save = {"count": p._count, "zf_steps": p.zf_steps, "important": sum(int(i.numel()) for i in p._idx if i is not None)}
+    engine.save_checkpoint(str(ckpt), tag="mid")
+    engine.destroy()
+
+    torch.manual_seed(99)  # other weights: everything must come from the checkpoint
+    engine, _, _, _ = zerorun.initialize(model=Net(), config=cfg)
+    engine.load_checkpoint(str(ckpt), tag="mid")
+    p = engine.stage.state.placement
+    loaded = {"count": p._count, "zf_steps": p.zf_steps, "important": sum(int(i.numel()) for i in p._idx if i is not None)}
+    rest = train(engine, save_at, steps)
+    after = {"selections": p.selections, "cpu_updates": p.cpu_updates, "zf_steps": p.zf_steps}
+    masters_resumed = _models.full_masters(engine)
+    engine.destroy()
+    return {
+        "whole": whole,
+        "resumed": rest,
+        "at_save": at_save,
+        "loaded": loaded,
+        "after": after,
+        "master_err": max(float((masters_whole[n] - masters_resumed[n]).abs().max()) for n in masters_whole),
+    }
+
+
 def main() -> None:
     out = Path(sys.argv[1])
     torch.use_deterministic_algorithms(True)
     results = {name: run(name) for name in CASES}
+    results.update({name: resume(name, out.parent / f"ckpt-{name}") for name in RESUME})
     if torch.distributed.get_rank() == 0:
         out.write_text(json.dumps(results))
     torch.distributed.destroy_process_group()

@@ -75,3 +75,21 @@ def test_zenflow_matches_its_reference(results, name: str, world: int) -> None: 
     first = (warm + 1) * accum
     assert max(abs(a - b) for a, b in zip(r["losses"][first:], r["exact_losses"][first:], strict=True)) > 1e-4
     assert r["losses"][: (warm + 1) * accum] == pytest.approx(r["exact_losses"][: (warm + 1) * accum], rel=1e-4)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("name", ["resume-z2", "resume-z3"])
+def test_checkpoint_of_an_open_update_interval_resumes_exactly(results, name: str, world: int) -> None:  # noqa: ANN001
+    """Saved mid-interval (one step's gradient sum pending, important columns chosen), loaded into
+    a model with other weights: the resumed steps -- a CPU update, then a re-selection -- are the
+    uninterrupted run's (fp32), and so are the final masters."""
+    r = results(world)[name]
+    assert r["at_save"]["count"] == 1 and r["at_save"]["important"] > 0
+    assert r["loaded"] == r["at_save"]  # the interval, the important elements, the counters
+    selections, updates = _schedule(10, 4, 3, 1)  # the uninterrupted run's schedule
+    assert r["after"] == {"selections": selections, "cpu_updates": updates, "zf_steps": 9}
+    whole = r["whole"][6:]
+    assert len(r["resumed"]) == len(whole) == 4
+    for a, b in zip(r["resumed"], whole, strict=True):
+        assert abs(a - b) <= 1e-6 * abs(b), (r["resumed"], whole)
+    assert r["master_err"] <= 1e-6

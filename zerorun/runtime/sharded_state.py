@@ -126,6 +126,12 @@ class ShardPlacement:
         staging buffers, bytes on NVMe) to a ``memory.MemoryLedger``."""
         return None
 
+    def state_loaded(self, optimizer: Optimizer) -> None:
+        """The masters and the optimizer's state were just replaced (a checkpoint load), before
+        the parameters are written from the masters (``write_back`` outside a step). A placement
+        with state of its own carried in the optimizer's state (ZenFlow) takes it back here."""
+        return None
+
     def phase_timer(self) -> PhaseSource | None:
         """``wall_clock_breakdown``: start timing this placement's own sub-phases and return
         what the step timers call after each optimizer step for that step's (name -> ms or
@@ -276,3 +282,4 @@ class ShardedOptimizerState:
                 k += 1
             sd["param_groups"].append(dict(saved, params=ids))
         self.optimizer.load_state_dict(sd)
+        self.placement.state_loaded(self.optimizer)

@@ -24,7 +24,12 @@ plain CPU offload):
 * ``full_warm_up_rounds``: that many plain offloaded (exact) steps first.
 
 Checkpoints hold the masters and Adam states after folding the device part back
-(``synchronize``); the gradient sum of an unfinished interval is not saved.
+(``synchronize``), and the open update interval: ``synchronize`` also puts, into each master's
+optimizer state, the interval's gradient sum (``zenflow_grad_sum``) and the important elements
+(``zenflow_important``, 1.0/0.0) -- elementwise, so checkpoints save and reshard them like Adam's
+m and v -- and the counters (``zenflow_*`` scalars). A load hands them back (``state_loaded``):
+the run continues inside the same interval, with the same important elements and counters, as if
+never interrupted. The next step drops these entries from the optimizer's state.
 """
 
 from __future__ import annotations
@@ -97,6 +102,7 @@ class ZenFlowPlacement(CpuPlacement):
         self.cpu_updates = 0  # CPU updates of the unimportant elements
         self.selections = 0
         self._slow_now = False
+        self._carried = False  # a checkpoint load brought an open interval (state_loaded)
 
     # -- layout ---------------------------------------------------------------------------------
     def plan(self, numels: Sequence[int], layouts: Sequence[FlatLayout] | None = None, shard_index: int = 0) -> None:
@@ -127,13 +133,15 @@ class ZenFlowPlacement(CpuPlacement):
             super().before_step()
 
     def _step(self, optimizer: Optimizer) -> None:
+        self._optimizer = optimizer
+        self._group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+        self._carried = False
+        self._take_carried(optimizer)  # what a synchronize put there for a checkpoint: stale now
         if not self._selective or not supports_tiles(optimizer):
             if self._selective:
                 _warn_once(f"zenflow: {type(optimizer).__name__} is not supported (Adam and AdamW are); exact steps")
             super()._step(optimizer)
             return
-        self._optimizer = optimizer
-        self._group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
         first = self._idx[0] is None if self._idx else True
         interval = self.zf.select_interval
         reselect = not first and interval > 0 and self.zf_steps % interval == 0
@@ -158,19 +166,24 @@ class ZenFlowPlacement(CpuPlacement):
 
     def _select(self) -> None:
         self.selections += 1
-        for i, master in enumerate(self.masters):
+        for i in range(len(self.masters)):
             g = self._gdev[i].reshape(-1)
-            idx = select_mask(g, self._pieces[i], self.zf.topk_ratio).nonzero().squeeze(1)
-            self._idx[i] = idx
-            host_idx = idx.cpu()
-            state = self._host_state(i)
-            self._fast[i] = {
-                "param": master[host_idx].to(self.device),
-                "exp_avg": state["exp_avg"][host_idx].to(self.device),
-                "exp_avg_sq": state["exp_avg_sq"][host_idx].to(self.device),
-            }
-            if self._fast_step[i] is None:
-                self._fast_step[i] = state["step"].clone().to(self.device)
+            self._gather(i, select_mask(g, self._pieces[i], self.zf.topk_ratio).nonzero().squeeze(1))
+
+    def _gather(self, i: int, idx: torch.Tensor) -> None:
+        """The important elements ``idx`` of shard ``i``: compact device copies of their master
+        and Adam states, from the host arrays."""
+        master = self.masters[i]
+        self._idx[i] = idx
+        host_idx = idx.cpu()
+        state = self._host_state(i)
+        self._fast[i] = {
+            "param": master[host_idx].to(self.device),
+            "exp_avg": state["exp_avg"][host_idx].to(self.device),
+            "exp_avg_sq": state["exp_avg_sq"][host_idx].to(self.device),
+        }
+        if self._fast_step[i] is None:
+            self._fast_step[i] = state["step"].clone().to(self.device)
 
     def _host_state(self, i: int) -> dict[str, torch.Tensor]:
         assert self._optimizer is not None
@@ -240,10 +253,12 @@ class ZenFlowPlacement(CpuPlacement):
     def write_back(self, index: int, master: torch.Tensor, dst: torch.Tensor) -> None:
         if not self._in_step:
             # Outside a step (a checkpoint load): the host masters and states are the truth;
-            # the next selective step selects and gathers afresh.
-            self._idx = [None] * len(self._idx)
-            self._fast = [None] * len(self._fast)
-            self._fast_step = [None] * len(self._fast_step)
+            # the next selective step selects and gathers afresh -- unless the load carried an
+            # open interval (state_loaded gathered its important elements from these masters).
+            if not self._carried:
+                self._idx = [None] * len(self._idx)
+                self._fast = [None] * len(self._fast)
+                self._fast_step = [None] * len(self._fast_step)
             super().write_back(index, master, dst)
             return
         if not self._selective or self._idx[index] is None:
@@ -270,6 +285,69 @@ class ZenFlowPlacement(CpuPlacement):
     def synchronize(self) -> None:
         super().synchronize()
         self._fold_back()
+        self._carry()
+
+    # -- checkpoints: the open update interval travels in the optimizer's state -------------------
+    def _carry(self) -> None:
+        """Put the interval's state into each master's optimizer state (module docstring)."""
+        if self._optimizer is None:
+            return  # no step yet: nothing to carry
+        # 0-dim tensors: the checkpoint keeps them as the group's scalar state (like Adam's step).
+        counters = {
+            k: torch.tensor(float(v))
+            for k, v in (
+                ("zenflow_placement_steps", self.steps),
+                ("zenflow_steps", self.zf_steps),
+                ("zenflow_count", self._count),
+                ("zenflow_selections", self.selections),
+                ("zenflow_cpu_updates", self.cpu_updates),
+            )
+        }
+        for i, master in enumerate(self.masters):
+            state = self._host_state(i)
+            state.update(counters)
+            idx, step = self._idx[i], self._fast_step[i]
+            if idx is None or step is None:
+                continue
+            state["zenflow_fast_step"] = step.detach().to("cpu", torch.float32).clone()
+            mask = torch.zeros(master.numel(), dtype=torch.float32)
+            mask[idx.cpu()] = 1.0
+            state["zenflow_important"] = mask
+            acc = self._acc[i]
+            state["zenflow_grad_sum"] = torch.zeros_like(master) if acc is None else acc.to("cpu", torch.float32)
+
+    def _take_carried(self, optimizer: Optimizer) -> list[dict[str, Any]]:
+        """Remove the carried entries from every master's optimizer state; return them."""
+        out = []
+        for master in self.masters:
+            state = optimizer.state.get(master, {})
+            out.append({k: state.pop(k) for k in [k for k in state if str(k).startswith("zenflow_")]})
+        return out
+
+    def state_loaded(self, optimizer: Optimizer) -> None:
+        super().state_loaded(optimizer)
+        self._optimizer = optimizer
+        self._group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+        carried = self._take_carried(optimizer)
+        n = len(self.masters)
+        self._idx, self._fast, self._fast_step, self._acc = [None] * n, [None] * n, [None] * n, [None] * n
+        self._count, self._carried = 0, False
+        first = carried[0] if carried else {}
+        if "zenflow_steps" not in first:
+            return  # a checkpoint without ZenFlow's state: select afresh at the next selective step
+        self.steps = int(first["zenflow_placement_steps"])
+        self.zf_steps = int(first["zenflow_steps"])
+        self._count = int(first["zenflow_count"])
+        self.selections = int(first["zenflow_selections"])
+        self.cpu_updates = int(first["zenflow_cpu_updates"])
+        for i, c in enumerate(carried):
+            if "zenflow_important" not in c:
+                continue
+            idx = c["zenflow_important"].reshape(-1).nonzero().squeeze(1).to(self.device)
+            self._fast_step[i] = torch.tensor(float(c["zenflow_fast_step"]), device=self.device)
+            self._gather(i, idx)
+            self._acc[i] = c["zenflow_grad_sum"].reshape(-1).to(self.device, torch.float32).clone()
+        self._carried = True
 
     def add_memory(self, ledger: Any) -> None:
         super().add_memory(ledger)
