@@ -94,7 +94,10 @@ def test_stdout_lines_like_deepspeed(job: dict[str, Any]) -> None:
     assert len(timer_lines) == 2
     ms = dict(re.findall(r"(\w+): ([0-9.]+)", timer_lines[0]))
     assert set(ms) == set(PHASES)
-    assert all(float(v) > 0 for v in ms.values())
+    # Printed with two decimals like DeepSpeed: a short phase of this tiny model on a GPU prints
+    # 0.00 ms; the phases that enclose real work never do.
+    assert all(float(v) >= 0 for v in ms.values())
+    assert all(float(ms[name]) > 0 for name in ("fwd", "bwd", "step"))
     assert float(ms["step"]) >= float(ms["optimizer_gradients"]) + float(ms["optimizer_step"]) - 0.05
     # bwd encloses its two parts
     assert float(ms["bwd"]) >= float(ms["bwd_inner"]) + float(ms["bwd_allreduce"]) - 0.05
