@@ -41,12 +41,14 @@ ever sees gathered parameters of one shape: one compile for identical blocks
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import ParamSpec, TypeVar, cast
 
 import torch
 from torch import nn
+from torch.autograd.function import FunctionCtx
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils.hooks import RemovableHandle
 
 from zerorun.errors import RuntimeConfigError
 from zerorun.runtime.collectives import Pending
@@ -55,30 +57,46 @@ from zerorun.runtime.stage3.schedule import Schedule
 
 __all__ = ["Stage3Hooks"]
 
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+# What module hooks receive and return (positional args, keyword args, outputs: whatever the
+# module takes and gives; only their tensors are looked at).
+_Args = tuple[object, ...]
+_Kwargs = dict[str, object]
+_PreHook = Callable[[nn.Module, _Args, _Kwargs], tuple[_Args, _Kwargs] | None]
+_PostHook = Callable[[nn.Module, _Args, object], None]
+
 
 def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-def _eager(fn: Callable[..., Any]) -> Callable[..., Any]:
+def _eager(fn: Callable[_P, _R]) -> Callable[_P, _R]:
     """``fn`` always runs eagerly, also when called from a compiled region (a graph break at
     the module boundary, never inside the module's own graph)."""
 
-    def call(*args: Any, **kwargs: Any) -> Any:  # a function: bound methods take no attributes
+    def call(*args: _P.args, **kwargs: _P.kwargs) -> _R:  # a function: bound methods take no attributes
         return fn(*args, **kwargs)
 
-    return torch._disable_dynamo(call, recursive=True)
+    return cast(Callable[_P, _R], torch._disable_dynamo(call, recursive=True))
+
+
+class _PostBackwardCtx(FunctionCtx):
+    hooks: Stage3Hooks
+    group: ParamGroup
 
 
 class _PostBackward(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, hooks: Stage3Hooks, group: ParamGroup, *inputs: torch.Tensor) -> Any:  # type: ignore[override]
+    def forward(  # type: ignore[override]
+        ctx: _PostBackwardCtx, hooks: Stage3Hooks, group: ParamGroup, *inputs: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
         ctx.hooks = hooks
         ctx.group = group
         return tuple(x.view_as(x) for x in inputs)
 
     @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> Any:  # type: ignore[override]
+    def backward(ctx: _PostBackwardCtx, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
         ctx.hooks.post_backward(ctx.group)
         return (None, None, *grads)
 
@@ -126,7 +144,7 @@ class Stage3Hooks:
         self.launched_during_backward = 0
         self.peak_staging_bytes = 0
         self._staging_live = 0
-        self._handles: list[Any] = []
+        self._handles: list[RemovableHandle] = []
         self._root_group = next((g for g in self.groups if g.module is root and not g.persistent), None)
         for g in self.groups:
             if g.module is None or g.persistent:
@@ -144,11 +162,11 @@ class Stage3Hooks:
         self._handles = []
 
     # -- root: one forward pass -------------------------------------------------------------------
-    def _root_pre(self, _module: nn.Module, _args: Any) -> None:
+    def _root_pre(self, _module: nn.Module, _args: _Args) -> None:
         if not _in_backward():
             self.schedule.begin_forward()
 
-    def _root_post(self, _module: nn.Module, _args: Any, output: Any) -> None:
+    def _root_post(self, _module: nn.Module, _args: _Args, output: object) -> None:
         if _in_backward():
             return
         grad = torch.is_grad_enabled()
@@ -164,8 +182,8 @@ class Stage3Hooks:
                 g.release()
 
     # -- group forward ----------------------------------------------------------------------------
-    def _pre_forward_hook(self, g: ParamGroup) -> Any:
-        def hook(_module: nn.Module, args: Any, kwargs: Any) -> Any:
+    def _pre_forward_hook(self, g: ParamGroup) -> _PreHook:
+        def hook(_module: nn.Module, args: _Args, kwargs: _Kwargs) -> tuple[_Args, _Kwargs] | None:
             if _in_backward():  # recomputation (activation checkpointing)
                 self.calls[g.index].touched = True
                 g.wait()
@@ -190,12 +208,12 @@ class Stage3Hooks:
             wrapped = _PostBackward.apply(self, g, *(flat[i] for i in idx))
             for i, w in zip(idx, wrapped, strict=True):
                 flat[i] = w
-            return tree_unflatten(flat, spec)
+            return cast(tuple[_Args, _Kwargs], tree_unflatten(flat, spec))
 
         return _eager(hook)
 
-    def _post_forward_hook(self, g: ParamGroup) -> Any:
-        def hook(_module: nn.Module, _args: Any, output: Any) -> None:
+    def _post_forward_hook(self, g: ParamGroup) -> _PostHook:
+        def hook(_module: nn.Module, _args: _Args, output: object) -> None:
             if _in_backward():
                 return
             self.schedule.on_post_forward(g)
