@@ -86,8 +86,13 @@ run offload_world1_nccl 45 env ZERORUN_BACKEND=nccl \
 run offload_shared_gloo 120 env ZERORUN_BACKEND=gloo \
   "${PYTEST[@]}" tests/runtime/test_offload.py -k "not w1" \
   --junitxml="$OUT/offload_shared_gloo.xml"
-run offload_units 40 "${PYTEST[@]}" tests/runtime/test_offload_units.py \
+run offload_units 40 "${PYTEST[@]}" tests/runtime/test_offload_units.py tests/runtime/test_offload_host.py \
   --junitxml="$OUT/offload_units.xml"
+# 2c. ZenFlow against its reference (world 1 and 2 ranks sharing the GPU, a checkpoint saved
+#     mid-interval) and wall_clock_breakdown's offload sub-phases (copy-stream timing events).
+run zenflow_breakdown 150 env ZERORUN_BACKEND=gloo \
+  "${PYTEST[@]}" tests/runtime/test_offload_zenflow.py tests/runtime/test_offload_breakdown.py \
+  --junitxml="$OUT/zenflow_breakdown.xml"
 # 3. the README's example through the launcher.
 run gpt_1gpu_nccl 60 "$PY" -m zerorun --num_gpus 1 examples/gpt.py --config templates/zero2.yaml --size 125M --seq_len 1024 --steps 30 --lr 6e-4
 run gpt_2ranks_shared 45 "$PY" -m zerorun --num_gpus 2 --ranks_per_gpu 2 examples/gpt.py --config templates/zero2.yaml --steps 20 --lr 3e-3
