@@ -59,6 +59,10 @@ def matrix(world: int) -> list[OCase]:
             OCase(2, "bf16", clip=CLIP, delayed=True, steps=4),
             OCase(3, "bf16", clip=CLIP, param="cpu"),
             OCase(2, "bf16", ratio=0.5),  # Twin-Flow at world 1 (the GPU checks' NCCL group runs it on CUDA)
+            # No clipping at stage 3 (CPU steps started in the backward): with parameter offload
+            # (CUDA: the write-back into host shards goes through the device) and Twin-Flow.
+            OCase(3, "bf16", param="cpu", model="wide"),
+            OCase(3, "bf16", ratio=0.5, model="wide"),
         ]
     # Stage 3 gathers per module group in the forward, so every rank must run the same modules:
     # TinyNet's rank-dependent branch would deadlock it; stage 3 cases use WideNet.

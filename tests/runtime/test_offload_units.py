@@ -158,3 +158,24 @@ def test_nvme_files_direct_or_buffered(tmp_path, monkeypatch: pytest.MonkeyPatch
         assert where.parent == tmp_path and where.name.startswith("zerorun-r3-")
         files.close()
         assert not where.exists()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (scripts/gpu_checks.sh)")
+def test_copier_casts_host_to_host_through_the_device() -> None:
+    """Stage 3 parameter offload's write-back (fp32 master tile -> bf16 host shard) runs on the
+    copy stream through the GPU, asynchronously into pinned memory: after its event the host
+    shard equals the CPU cast, and the CPU did no conversion."""
+    from zerorun.runtime.offload.host import Copier, host_empty
+
+    copier = Copier(torch.device("cuda"))
+    n = (1 << 20) + 5
+    src = host_empty(n, torch.float32, pin=True)
+    src.copy_(torch.randn(n, generator=torch.Generator().manual_seed(0)))
+    dst = host_empty(n, torch.bfloat16, pin=True)
+    dst.zero_()
+    done = copier.to_device(dst, src, copier.ready())
+    assert done is not None  # asynchronous: an event to wait for
+    Copier.wait(done)
+    assert torch.equal(dst, src.to(torch.bfloat16))
+    same = host_empty(n, torch.float32, pin=True)
+    assert copier.to_device(same, src, None) is None and torch.equal(same, src)  # same dtype: a host copy

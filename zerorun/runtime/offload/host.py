@@ -171,7 +171,10 @@ class Copier:
         src: torch.Tensor,
         after: torch.cuda.Event | None,
     ) -> torch.cuda.Event | None:
-        if stream is None or (dst.device.type == "cpu" and src.device.type == "cpu"):
+        on_host = dst.device.type == "cpu" and src.device.type == "cpu"
+        if stream is not None and on_host and dst.dtype != src.dtype:
+            return self._cast_through_device(stream, direction, dst, src, after)
+        if stream is None or on_host:
             with self._lock:
                 begin = self._begin(None)
                 with torch.no_grad():
@@ -193,6 +196,30 @@ class Copier:
                     dst.copy_(src, non_blocking=True)
             done = self._end(direction, begin, stream)
         return done
+
+    def _cast_through_device(
+        self,
+        stream: torch.cuda.Stream,
+        direction: str,
+        dst: torch.Tensor,
+        src: torch.Tensor,
+        after: torch.cuda.Event | None,
+    ) -> torch.cuda.Event | None:
+        """A host -> host copy with a cast (stage 3 parameter offload: the updated fp32 master
+        into the 16-bit host parameter shard) done by the GPU on ``stream``: up as it is, cast
+        there, down into ``dst``. The CPU -- the bottleneck of offload -- does no conversion pass
+        (on the training thread it also ran beside the worker's step, two thread pools on the
+        same cores); PCIe carries 4 + 2 bytes. Asynchronous when ``dst`` is pinned: whoever
+        reads ``dst`` on the host or from another stream waits for the returned event first."""
+        with self._lock, torch.cuda.device(self.device), torch.cuda.stream(stream):
+            if after is not None:
+                stream.wait_event(after)
+            begin = self._begin(stream)
+            with torch.no_grad():
+                tmp = torch.empty(src.shape, dtype=src.dtype, device=self.device)
+                tmp.copy_(src, non_blocking=True)
+                dst.copy_(tmp.to(dst.dtype), non_blocking=True)
+            return self._end(direction, begin, stream)
 
     def upload(self, src: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event]:
         """A new device tensor filled from host ``src`` on the H2D stream, and its done event.

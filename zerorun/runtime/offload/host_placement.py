@@ -116,6 +116,7 @@ class HostPlacement(ShardPlacement):
         self._grad_ev: list[list[Event]] = []
         self._up_ev: list[list[Event]] = []  # last H2D copy out of each staging tile
         self._fresh: list[bool] = []  # staging holds an update its destination has not received
+        self._host_dst = False  # this step copied into host destinations (stage 3 offload_param)
         self._targets: dict[int, torch.Tensor] = {}
         self._ready: Event = None  # event on the training stream at the start of this step
         self._last_down: Event = None  # most recent copy on each side stream: fencing on it
@@ -340,6 +341,7 @@ class HostPlacement(ShardPlacement):
 
     def _push(self, index: int, dst: torch.Tensor) -> None:
         flat, src = dst.reshape(-1), self._source(index)
+        self._host_dst = self._host_dst or dst.device.type == "cpu"
         for k, (a, b) in enumerate(self.tiles[index]):
             self._up_ev[index][k] = self._last_up = self.copier.to_device(flat[a:b], src[a:b], self._ready)
         self._fresh[index] = False
@@ -371,6 +373,15 @@ class HostPlacement(ShardPlacement):
             self._push(index, dst)
 
     def after_write_back(self) -> None:
+        if self._host_dst:
+            # Stage 3 parameter offload: the destinations are host shards, filled by copies
+            # through the device (Copier._cast_through_device, one stream): complete when the
+            # step returns, as the next forward's fetches and any host reader expect. In exact
+            # mode only the last flat buffer's copies are still in flight here.
+            t0 = time.perf_counter()
+            Copier.wait(self._last_up)
+            self._add("main_wait_s", time.perf_counter() - t0)
+            self._host_dst = False
         self.last_profile, self._prof = self._prof, {}
         if self.copier.timing:
             self._phases = self._sub_phases(self.last_profile)
@@ -497,6 +508,7 @@ class HostPlacement(ShardPlacement):
         if target is None:
             self._fresh[i] = True
             return
+        self._host_dst = self._host_dst or target.device.type == "cpu"
         self._up_ev[i][k] = self._last_up = self.copier.to_device(
             target.reshape(-1)[a:b], self._source(i)[a:b], self._ready
         )
