@@ -66,6 +66,7 @@ def run(name: str, zero: dict) -> dict:
         "timers": engine.reporter.last_report["timers_ms"],
         "line": line,
         "profile": getattr(placement, "last_profile", {}),
+        "device": engine.device.type,
     }
     engine.destroy()
     return result

@@ -50,8 +50,10 @@ def test_offload_sub_phases_are_in_the_breakdown(results: dict, case: str) -> No
         assert name in timers and f"{name}: " in r["line"], (case, r)
     # The CPU step did work and moved bytes both ways; its time is the worker's own clock.
     assert timers["offload_cpu_step"] > 0 and timers["offload_d2h"] > 0 and timers["offload_h2d"] > 0
-    # What the training thread waited for lies inside the step phase that contains it.
-    assert timers["offload_step_wait"] <= timers["step"] + 1e-6
+    # What the training thread waited for lies inside the step phase that contains it (on the
+    # CPU both are host clocks; on CUDA `step` is the stream's events, which may start late).
+    if r["device"] == "cpu":
+        assert timers["offload_step_wait"] <= timers["step"] + 1e-6
     # The last step's sub-phases are the placement's own profile (ms vs s).
     assert set(prof) >= {"adam_s", "main_wait_s"}
     if case == "z3-param-offload":
