@@ -32,8 +32,9 @@ from dataclasses import replace
 from typing import Any
 
 from zerorun.launch import wire
+from zerorun.launch.messages import RankOutput
 
-__all__ = ["main", "hello", "port_in_use"]
+__all__ = ["main", "hello", "port_in_use", "LineBatcher"]
 
 # Before the plan arrives the launcher is still running its preflight on the other nodes.
 _PRE_PLAN_TIMEOUT_S = 120.0
@@ -48,7 +49,11 @@ class _Channel:
         self.on_broken = on_broken
 
     def send(self, kind: str, **fields: Any) -> None:
-        data = memoryview(wire.encode(kind, **fields))
+        self.write(wire.encode(kind, **fields))
+
+    def write(self, encoded: bytes) -> None:
+        """Encoded messages (whole lines), in one piece."""
+        data = memoryview(encoded)
         with self.lock:
             try:
                 while data:
@@ -56,6 +61,67 @@ class _Channel:
                     data = data[n:]
             except OSError:
                 self.on_broken("the channel to the launcher broke")
+
+
+# A batch of rank lines goes out at this many lines or bytes at the latest.
+_BATCH_LINES = 1000
+_BATCH_BYTES = 1 << 18
+
+
+class LineBatcher:
+    """The agent's sink: rank lines travel in `lines` messages, one per run of consecutive lines
+    of one rank's stream, and a batch is one write() (a JSON object and a write per line cost
+    the launcher 11-38 us of CPU a line). Lines wait only until the runner ends its turn of
+    reading (`flush()`: LocalRunner after each turn of its reader, the synthetic runner after
+    each tick), a batch is full, or another message comes: a started/event/exit message sends
+    the lines before it and then itself at once, so the order is kept and exits are not
+    delayed. The agent's watchdog flushes at every heartbeat too."""
+
+    def __init__(self, channel: _Channel) -> None:
+        self.channel = channel
+        self._lock = threading.Lock()
+        self._out: list[bytes] = []  # encoded messages waiting to be written
+        self._key: tuple[int, str] | None = None  # the (rank, stream) of the run of lines
+        self._run: list[str] = []
+        self._lines = 0
+        self._bytes = 0
+
+    def __call__(self, m: Any) -> None:
+        if isinstance(m, RankOutput):
+            with self._lock:
+                if (m.rank, m.stream) != self._key:
+                    self._close_run()
+                    self._key = (m.rank, m.stream)
+                self._run.append(m.text)
+                self._lines += 1
+                self._bytes += len(m.text)
+                if self._lines >= _BATCH_LINES or self._bytes >= _BATCH_BYTES:
+                    self._send()
+            return
+        encoded = wire.message_to_wire(m)
+        if encoded is None:
+            return
+        with self._lock:
+            self._close_run()
+            self._out.append(wire.encode(encoded[0], **encoded[1]))
+            self._send()
+
+    def flush(self) -> None:
+        with self._lock:
+            self._send()
+
+    def _close_run(self) -> None:
+        if self._run and self._key is not None:
+            self._out.append(wire.encode("lines", rank=self._key[0], stream=self._key[1], lines=self._run))
+            self._run = []
+        self._key = None
+
+    def _send(self) -> None:
+        self._close_run()
+        if self._out:
+            data, self._out = b"".join(self._out), []
+            self._lines = self._bytes = 0
+            self.channel.write(data)
 
 
 class Agent:
@@ -81,6 +147,7 @@ class Agent:
         self._runner_factory = runner_factory
         self._dying = threading.Lock()
         self._preempting = False
+        self._batcher: LineBatcher | None = None
 
     # -- death ------------------------------------------------------------------------------
 
@@ -125,6 +192,8 @@ class Agent:
         if silent > self.heartbeat_timeout_s:
             self.die(f"no heartbeat from the launcher for {silent:.1f} s; killed this node's ranks", 3)
         elif self.runner is not None:
+            if self._batcher is not None:
+                self._batcher.flush()  # a runner that never ends a turn still gets its lines out
             self.channel.send("hb")
 
     # -- messages ---------------------------------------------------------------------------
@@ -154,11 +223,7 @@ class Agent:
             threads = default_omp_threads(os.cpu_count() or 1, len(node.ranks))
             plan = replace(plan, omp_threads={**plan.omp_threads, node.node_rank: threads})
 
-        def sink(m: Any) -> None:
-            encoded = wire.message_to_wire(m)
-            if encoded is not None:
-                self.channel.send(encoded[0], **encoded[1])
-
+        sink = self._batcher = LineBatcher(self.channel)
         if self._runner_factory is not None:
             runner = self._runner_factory(plan, node)
         else:

@@ -173,19 +173,18 @@ class AgentRunner:
             self.channel.keep_stderr(str(msg.get("message")))
             return
         try:
-            m = wire.message_from_wire(msg)
+            got = wire.messages_from_wire(msg)  # a `lines` batch: several
         except (KeyError, TypeError, ValueError):
             # Said, not raised: an exception here would end the channel's reader, and the
             # node's exits would never reach the supervisor.
             self.channel.keep_stderr(f"malformed message from the agent: {msg!r}"[:500])
             return
-        if m is None:
-            return
-        if isinstance(m, RankExit):
-            self._exited.add(m.rank)
-        sink(m)
-        if isinstance(m, RankExit) and len(self._exited) == len(self.node.ranks):
-            self._done.set()
+        for m in got:
+            if isinstance(m, RankExit):
+                self._exited.add(m.rank)
+            sink(m)
+            if isinstance(m, RankExit) and len(self._exited) == len(self.node.ranks):
+                self._done.set()
 
     def _tick(self, now: float) -> None:
         if self._lost or self._ended or self.channel.closed.is_set():

@@ -26,7 +26,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from zerorun.channel import events
@@ -91,11 +91,14 @@ class LocalRunner:
         self._stop = threading.Event()
         self._wake_r, self._wake_w = os.pipe()
         self._killed = False
+        self._flush: Callable[[], None] | None = None
 
     # -- NodeRunner -------------------------------------------------------------------------
 
     def start(self, sink: Sink) -> None:
         self._sink = sink
+        # A sink that batches (the node agent's `LineBatcher`) is flushed after each turn.
+        self._flush = getattr(sink, "flush", None)
         self._sel.register(self._wake_r, selectors.EVENT_READ, None)
         try:
             for spec in self.node.ranks:
@@ -220,6 +223,8 @@ class LocalRunner:
                 for r in self._ranks.values():
                     if not r.done:
                         self._check_exit(r)
+            if got and self._flush is not None:
+                self._flush()
             if 0 < got < _COALESCE_BYTES:
                 time.sleep(_COALESCE_S)
 

@@ -48,10 +48,13 @@ class _SimChannel:
         self.muted = False
 
     def send(self, kind: str, **fields: Any) -> None:
+        self.write(wire.encode(kind, **fields))
+
+    def write(self, encoded: bytes) -> None:
         if self.muted:
             return
         try:
-            self.sock.sendall(wire.encode(kind, **fields))
+            self.sock.sendall(encoded)
         except OSError:
             self.on_broken("the channel to the launcher broke")
 

@@ -144,6 +144,9 @@ class SyntheticRunner:
             if sc.warn_interval_s and r.next_warn <= now:
                 sink(RankOutput(r.rank, "stderr", WARNING_TEXT))
                 r.next_warn = now + sc.warn_interval_s
+        flush = getattr(sink, "flush", None)  # the agent's LineBatcher: this tick's lines, now
+        if flush is not None:
+            flush()
         self.next_due = self._due(live, now)
 
     def _due(self, ranks: list[_Rank], now: float) -> float:

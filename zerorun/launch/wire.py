@@ -23,7 +23,9 @@ agent -> launcher:
   `client_addr` the launcher's address as this node sees it; `port` the master port checked
   free (or picked), `error` a preflight problem on this node (port busy, script missing), and
   `error_kind` which (`port`, `script`: the launcher's failure table says so).
-- `started` {rank, pid}; `out` {rank, stream: "stdout"|"stderr", line}; `event` {rank, event};
+- `started` {rank, pid}; `out` {rank, stream: "stdout"|"stderr", line}; `lines` {rank, stream,
+  lines: [line, ...]} (consecutive lines of one rank's stream in one message: the agent batches
+  what its reader read in one turn, `agent.LineBatcher`); `event` {rank, event};
   `exit` {rank, code} (negative: killed by that signal, as in subprocess); `hb` {};
   `error` {message}: the agent itself failed (cannot start a rank, bad plan).
 """
@@ -44,6 +46,7 @@ __all__ = [
     "decode",
     "message_from_wire",
     "message_to_wire",
+    "messages_from_wire",
     "preflight_fields",
     "wait_hello",
     "hello_problem",
@@ -52,7 +55,8 @@ __all__ = [
 ]
 
 # Bumped when a message changes meaning; the preflight refuses a mismatch.
-PROTOCOL_VERSION = 1
+# 2: agents send `lines` (batches of one rank's lines), which a version-1 launcher would drop.
+PROTOCOL_VERSION = 2
 
 
 def encode(kind: str, **fields: Any) -> bytes:
@@ -155,6 +159,21 @@ def message_from_wire(msg: Mapping[str, Any]) -> RankMessage | None:
     if kind == "exit":
         return RankExit(int(msg["rank"]), int(msg["code"]))
     return None
+
+
+def messages_from_wire(msg: Mapping[str, Any]) -> list[RankMessage]:
+    """`message_from_wire` for every kind an agent sends, `lines` included (one RankOutput per
+    line, in order); an empty list for kinds that carry no rank message. Malformed: raises as
+    `message_from_wire` does."""
+    if msg.get("t") != "lines":
+        m = message_from_wire(msg)
+        return [] if m is None else [m]
+    rank, stream, lines = int(msg["rank"]), str(msg["stream"]), msg["lines"]
+    if stream not in ("stdout", "stderr"):
+        raise ValueError(f"unknown stream {stream!r}")
+    if not isinstance(lines, list):
+        raise TypeError("a lines message without a list of lines")
+    return [RankOutput(rank, stream, str(line)) for line in lines]  # type: ignore[arg-type]
 
 
 # --- the plan on the wire -------------------------------------------------------------------
