@@ -87,7 +87,7 @@ def test_a_storm_of_sigterms_is_handled_off_the_signal_handler(tmp_path: Path) -
 
     try:
         send("plan", plan=wire.plan_to_dict(plan, 0), node_rank=0, heartbeat_s=0.5, heartbeat_timeout_s=120)
-        wait_for(lambda m: m["t"] == "lines" and "ready" in m["lines"], "the rank's 'ready'")
+        wait_for(lambda m: m["t"] == "lines" and any("ready" in run[2] for run in m["runs"]), "the rank's 'ready'")
         for _ in range(40):
             agent.send_signal(signal.SIGTERM)
         exit_msg = wait_for(lambda m: m["t"] == "exit", "the rank's exit")

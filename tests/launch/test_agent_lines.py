@@ -47,8 +47,11 @@ def test_batches_keep_order_and_other_messages_go_at_once() -> None:
     assert len(ch.writes) == 1  # the started message; the lines wait for the turn's end
     batch.flush()
     assert len(ch.writes) == 2 and ch.messages() == sent
-    # Four runs of one (rank, stream) -> four `lines` messages in the one write.
-    assert [wire.decode(x)["t"] for x in ch.writes[1].splitlines()] == ["lines"] * 4  # type: ignore[index]
+    # Four runs of one (rank, stream), in one `lines` message.
+    one = wire.decode(ch.writes[1])
+    assert one is not None and one["t"] == "lines" and [run[:2] for run in one["runs"]] == [
+        [0, "stdout"], [1, "stdout"], [0, "stderr"], [0, "stdout"],
+    ]
     batch(RankOutput(1, "stderr", "last words"))
     batch(RankEvent(1, {"kind": "error", "message": "boom"}))
     batch(RankOutput(1, "stderr", "after the event"))
@@ -82,10 +85,12 @@ def test_a_full_batch_goes_without_waiting_for_the_turn() -> None:
 @pytest.mark.parametrize(
     "bad",
     [
-        {"t": "lines", "rank": 0, "stream": "stdin", "lines": ["x"]},
-        {"t": "lines", "rank": 0, "stream": "stdout", "lines": "x"},
-        {"t": "lines", "rank": "r", "stream": "stdout", "lines": []},
-        {"t": "lines", "rank": 0, "stream": "stdout"},
+        {"t": "lines", "runs": [[0, "stdin", ["x"]]]},
+        {"t": "lines", "runs": [[0, "stdout", "x"]]},
+        {"t": "lines", "runs": [["r", "stdout", []]]},
+        {"t": "lines", "runs": [[0, "stdout"]]},
+        {"t": "lines", "runs": 3},
+        {"t": "lines"},
     ],
 )
 def test_malformed_lines_raise_what_the_runner_reports(bad: dict) -> None:

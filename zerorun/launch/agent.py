@@ -69,30 +69,31 @@ _BATCH_BYTES = 1 << 18
 
 
 class LineBatcher:
-    """The agent's sink: rank lines travel in `lines` messages, one per run of consecutive lines
-    of one rank's stream, and a batch is one write() (a JSON object and a write per line cost
-    the launcher 11-38 us of CPU a line). Lines wait only until the runner ends its turn of
-    reading (`flush()`: LocalRunner after each turn of its reader, the synthetic runner after
-    each tick), a batch is full, or another message comes: a started/event/exit message sends
-    the lines before it and then itself at once, so the order is kept and exits are not
-    delayed. The agent's watchdog flushes at every heartbeat too."""
+    """The agent's sink: rank lines travel in `lines` messages, each carrying runs of
+    consecutive lines of one rank's stream (many ranks' lines in one JSON object), and a batch
+    is one write() (a JSON object and a write per line cost the launcher 11-38 us of CPU a
+    line). Lines wait only until the runner ends its turn of reading (`flush()`: LocalRunner
+    after each turn of its reader, the synthetic runner after each tick), a batch is full, or
+    another message comes: a started/event/exit message sends the lines before it and then
+    itself at once, so the order is kept and exits are not delayed. The agent's watchdog
+    flushes at every heartbeat too."""
 
     def __init__(self, channel: _Channel) -> None:
         self.channel = channel
         self._lock = threading.Lock()
         self._out: list[bytes] = []  # encoded messages waiting to be written
-        self._key: tuple[int, str] | None = None  # the (rank, stream) of the run of lines
-        self._run: list[str] = []
+        self._runs: list[tuple[int, str, list[str]]] = []  # the open `lines` message
         self._lines = 0
         self._bytes = 0
 
     def __call__(self, m: Any) -> None:
         if isinstance(m, RankOutput):
             with self._lock:
-                if (m.rank, m.stream) != self._key:
-                    self._close_run()
-                    self._key = (m.rank, m.stream)
-                self._run.append(m.text)
+                runs = self._runs
+                if runs and runs[-1][0] == m.rank and runs[-1][1] == m.stream:
+                    runs[-1][2].append(m.text)
+                else:
+                    runs.append((m.rank, m.stream, [m.text]))
                 self._lines += 1
                 self._bytes += len(m.text)
                 if self._lines >= _BATCH_LINES or self._bytes >= _BATCH_BYTES:
@@ -102,7 +103,7 @@ class LineBatcher:
         if encoded is None:
             return
         with self._lock:
-            self._close_run()
+            self._close_lines()
             self._out.append(wire.encode(encoded[0], **encoded[1]))
             self._send()
 
@@ -110,14 +111,13 @@ class LineBatcher:
         with self._lock:
             self._send()
 
-    def _close_run(self) -> None:
-        if self._run and self._key is not None:
-            self._out.append(wire.encode("lines", rank=self._key[0], stream=self._key[1], lines=self._run))
-            self._run = []
-        self._key = None
+    def _close_lines(self) -> None:
+        if self._runs:
+            self._out.append(wire.encode("lines", runs=self._runs))
+            self._runs = []
 
     def _send(self) -> None:
-        self._close_run()
+        self._close_lines()
         if self._out:
             data, self._out = b"".join(self._out), []
             self._lines = self._bytes = 0

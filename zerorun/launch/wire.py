@@ -23,9 +23,10 @@ agent -> launcher:
   `client_addr` the launcher's address as this node sees it; `port` the master port checked
   free (or picked), `error` a preflight problem on this node (port busy, script missing), and
   `error_kind` which (`port`, `script`: the launcher's failure table says so).
-- `started` {rank, pid}; `out` {rank, stream: "stdout"|"stderr", line}; `lines` {rank, stream,
-  lines: [line, ...]} (consecutive lines of one rank's stream in one message: the agent batches
-  what its reader read in one turn, `agent.LineBatcher`); `event` {rank, event};
+- `started` {rank, pid}; `out` {rank, stream: "stdout"|"stderr", line}; `lines` {runs:
+  [[rank, stream, [line, ...]], ...]} (runs of consecutive lines of one rank's stream, in
+  order: the agent batches what its reader read in one turn, `agent.LineBatcher`);
+  `event` {rank, event};
   `exit` {rank, code} (negative: killed by that signal, as in subprocess); `hb` {};
   `error` {message}: the agent itself failed (cannot start a rank, bad plan).
 """
@@ -168,12 +169,15 @@ def messages_from_wire(msg: Mapping[str, Any]) -> list[RankMessage]:
     if msg.get("t") != "lines":
         m = message_from_wire(msg)
         return [] if m is None else [m]
-    rank, stream, lines = int(msg["rank"]), str(msg["stream"]), msg["lines"]
-    if stream not in ("stdout", "stderr"):
-        raise ValueError(f"unknown stream {stream!r}")
-    if not isinstance(lines, list):
-        raise TypeError("a lines message without a list of lines")
-    return [RankOutput(rank, stream, str(line)) for line in lines]  # type: ignore[arg-type]
+    out: list[RankMessage] = []
+    for rank, stream, lines in msg["runs"]:
+        if stream not in ("stdout", "stderr"):
+            raise ValueError(f"unknown stream {stream!r}")
+        if not isinstance(lines, list):
+            raise TypeError("a run of lines that is not a list")
+        r = int(rank)
+        out.extend(RankOutput(r, stream, str(line)) for line in lines)
+    return out
 
 
 # --- the plan on the wire -------------------------------------------------------------------
