@@ -223,3 +223,27 @@ def test_crash_before_commit_leaves_latest_on_the_previous_complete_tag(saved: P
     assert sorted(p.name for p in (root / "global_step3").glob("*optim_states.pt")) == [
         "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt", "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt",
     ]
+
+
+@pytest.mark.parametrize("case", ["s1-bf16", "s3-bf16-2g"])
+def test_a_param_group_without_parameters(saved: Path, case: str, tmp_path: Path) -> None:
+    """A group the engine holds no trainable parameter in (Trainer's no-decay group of a model
+    without biases, say) is an empty partition, not an error."""
+    import shutil
+
+    from zerorun.runtime.checkpoint import CheckpointReader
+    from zerorun.runtime.checkpoint.deepspeed_layout import read_optim_states, write_rank_files
+
+    tag = tmp_path / "global_step3"
+    shutil.copytree(saved / case / "global_step3", tag)
+    for stale in [*tag.glob("*_optim_states.pt"), *tag.glob("*_model_states.pt")]:
+        stale.unlink()
+    with CheckpointReader(tag) as zr:
+        names = [p.name for p in zr.meta.params if p.requires_grad and zr.has(p.name, "weight")]
+    for rank in (0, 1):
+        write_rank_files(tag, rank, groups=[names, []])
+    got = read_optim_states(tag)
+    assert got.groups == [names, []]
+    with CheckpointReader(tag) as zr:
+        for name in names:
+            assert torch.equal(got.tensors[name]["exp_avg"].reshape(-1), zr.read_full(name, "optim.exp_avg", dtype=torch.float32))

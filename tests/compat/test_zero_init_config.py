@@ -32,6 +32,7 @@ def test_dtype_follows_the_config_in_every_form(tmp_path: Path) -> None:
         (dict(BASE, fp16={"enabled": True}), torch.float16),
         (dict(BASE, bf16={"enabled": "auto"}, fp16={"enabled": "auto"}), torch.float32),  # "auto" is not enabled
         (BASE, torch.float32),
+        (dict(BASE, steps_per_print=float("inf"), bf16={"enabled": True}), torch.bfloat16),  # accelerate's "never"
         (str(path), torch.float16),
         (path, torch.float16),
         (_HoldsConfig(dict(BASE, bf16={"enabled": True})), torch.bfloat16),

@@ -134,6 +134,10 @@ def _stage3_slices(
     return out
 
 
+def _cat(pieces: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.float32)  # a group with no parameters
+
+
 def _stage12_bounds(total: int, rank: int, world: int) -> tuple[int, int, int]:
     """DeepSpeed's ZeRO-1/2 partition of a group of `total` elements: (start, size, padding)."""
     size = (math.ceil(total / (2 * world)) * 2 * world) // world
@@ -172,8 +176,8 @@ def _optim_file_contents(
     paddings: list[int] = []
     for g, names in enumerate(groups):
         if stage == 3:
-            fp32 = torch.cat(_stage3_slices(reader, names, rank, world)) if names else torch.zeros(0)
-            tensors = {k: torch.cat(_stage3_slices(reader, names, rank, world, OPTIM_PREFIX + k)) for k in keys}
+            fp32 = _cat(_stage3_slices(reader, names, rank, world))
+            tensors = {k: _cat(_stage3_slices(reader, names, rank, world, OPTIM_PREFIX + k)) for k in keys}
             fp32_groups.append(fp32)
         else:
             total = sum(reader.numel(n) for n in names)

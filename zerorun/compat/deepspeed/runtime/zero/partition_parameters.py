@@ -73,9 +73,11 @@ def _validated(cfg: object) -> ZerorunConfig:
     if isinstance(inner, ZerorunConfig):
         return inner
     if isinstance(inner, (dict, str, Path)):
+        from zerorun.compat.deepspeed._initialize import _runtime_view
         from zerorun.config import load_config
 
-        return load_config(inner).config
+        # The view deepspeed.initialize validates (accelerate's steps_per_print: inf, ...).
+        return load_config(_runtime_view(inner) if isinstance(inner, dict) else inner).config
     raise RuntimeConfigError(
         f"deepspeed.zero.Init: config_dict_or_path must be a config dict or a path to a config file, not "
         f"{type(cfg).__name__}"
