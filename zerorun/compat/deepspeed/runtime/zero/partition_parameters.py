@@ -3,7 +3,8 @@ the constructor wrapper transformers patches around ``from_pretrained``.
 
 zerorun's ``zero.Init`` partitions each module's parameters when its ``__init__`` returns
 (runtime/stage3/zero_init.py); floating parameters are partitioned in DeepSpeed's dtype (``dtype=``,
-else the config's: bf16 or fp16 when enabled, else fp32). It does not wrap torch's tensor
+else the config's: bf16 or fp16 when enabled, else fp32), and kept where the config's
+``offload_param.device`` says (host memory for ``cpu``/``nvme``), as DeepSpeed's. It does not wrap torch's tensor
 constructors as DeepSpeed's does, so buffers keep the dtype they were created in and
 ``zero_wrapper_for_fp_tensor_constructor`` is not called by zerorun. It is here, with DeepSpeed's behaviour, for code that patches it
 (transformers' ``prevent_arange_dtype_change``) or calls it.
@@ -101,6 +102,20 @@ def init_dtype(cfg: object, dtype: torch.dtype | None) -> torch.dtype | None:
     return torch.float32
 
 
+def init_remote_device(cfg: object, remote_device: str | None) -> str | None:
+    """Where DeepSpeed's ``zero.Init`` keeps the parameter slices until ``initialize``: the
+    config's ``zero_optimization.offload_param.device`` when the config has that section (it
+    overrides the argument, as in DeepSpeed; ``none`` there means the training device), else
+    ``remote_device``. So ``from_pretrained`` under ``offload_param: cpu`` keeps the model in host
+    memory, not on the GPU (on CPU ranks both are the same memory)."""
+    if cfg is None:
+        return remote_device
+    zero = _validated(cfg).zero_optimization
+    if "offload_param" not in zero.model_fields_set:
+        return remote_device
+    return zero.offload_param.device
+
+
 class Init(_zero.Init):
     """``deepspeed.zero.Init``. The config (validated as ``deepspeed.initialize`` validates it)
     must say stage 3; the process group is created if none exists."""
@@ -122,7 +137,8 @@ class Init(_zero.Init):
         if mpu is not None:
             raise RuntimeConfigError("deepspeed.zero.Init(mpu=...): model parallelism is not supported by zerorun")
         cfg = config if config is not None else config_dict_or_path
-        stage = _validated(cfg).zero_optimization.stage if cfg is not None else None
+        settings = _validated(cfg) if cfg is not None else None
+        stage = settings.zero_optimization.stage if settings is not None else None
         if enabled and stage is not None and stage != 3:
             raise RuntimeConfigError(
                 f"deepspeed.zero.Init partitions parameters, which only ZeRO stage 3 keeps partitioned: the "
@@ -134,10 +150,10 @@ class Init(_zero.Init):
             module=module,
             data_parallel_group=data_parallel_group,
             mem_efficient_linear=mem_efficient_linear,
-            remote_device=remote_device,
+            remote_device=init_remote_device(settings, remote_device),
             pin_memory=pin_memory,
             enabled=enabled,
-            dtype=init_dtype(cfg, dtype),
+            dtype=init_dtype(settings, dtype),
             **kwargs,
         )
 
