@@ -81,6 +81,7 @@ def matrix(world: int) -> list[OCase]:
         OCase(3, "bf16", clip=CLIP, device="nvme", param="nvme", model="wide"),
         OCase(3, "fp32", accum=2, device="none", param="cpu", model="wide"),
         OCase(3, "bf16", clip=CLIP, device="cpu", param="cpu", model="wide"),
+        OCase(3, "fp32", accum=2, device="cpu", param="cpu", model="wide"),  # write-backs left to the fetches
         OCase(2, "bf16", clip=CLIP, delayed=True, steps=5),
         OCase(1, "fp32", accum=2, delayed=True, warmup=2, steps=5),
         OCase(3, "bf16", delayed=True, steps=4, model="wide"),

@@ -151,7 +151,7 @@ def run_case(case: oc.OCase, rank: int, world: int, nvme_dir: str) -> dict | Non
     engine, _, _, _ = zerorun.initialize(model=model, config=config_for(case, nvme_dir))
     placement = engine.stage.state.placement
     inject = {tuple(x) for x in case.inject}
-    losses, norms, scales_before, in_flight, queued = [], [], [], [], []
+    losses, norms, scales_before, in_flight, queued, pending = [], [], [], [], [], []
     ready: list[int] = []  # flat buffers in the order the stage said their gradients were final
     if hasattr(placement, "grad_ready"):
         hook = placement.grad_ready
@@ -174,6 +174,7 @@ def run_case(case: oc.OCase, rank: int, world: int, nvme_dir: str) -> dict | Non
             engine.step()
         runner = getattr(placement, "runner", None)
         in_flight.append(bool(runner is not None and runner.busy))  # a delayed step still running
+        pending.append(len(getattr(placement, "_deferred", {})))  # write-backs left to the fetches
         norms.append(engine.get_global_grad_norm())
     memory = engine.memory_summary()
     masters = _models.full_masters(engine)
@@ -206,6 +207,7 @@ def run_case(case: oc.OCase, rank: int, world: int, nvme_dir: str) -> dict | Non
         ),
         "device_budget_numel": getattr(getattr(placement, "opts", None), "device_budget_numel", 0),
         "ready_order": list(ready),  # the last step's
+        "deferred_write_backs": pending,
     }
     compute = compute_params(model, case.stage)
     engine.destroy()

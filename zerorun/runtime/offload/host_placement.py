@@ -34,6 +34,8 @@ files) through ``_new_master``, ``_state_tensor``, ``_tile_size`` and ``_tile_vi
 
 from __future__ import annotations
 
+import heapq
+import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -125,6 +127,18 @@ class HostPlacement(ShardPlacement):
         self._launch: StepJob | None = None
         self._early: StepJob | None = None  # a step started during backward (grad_ready)
         self._early_work: list[tuple[int, Any]] = []  # (flat buffer, its worker future)
+        # Early steps pick the next buffer by priority, not in the order they became ready
+        # (_early_next): (priority, index) heap, guarded by _sched; _stepped: buffer -> set once
+        # its CPU update is done (also when it failed: _worker_error).
+        self._sched = threading.Lock()
+        self._queue: list[tuple[tuple[int, int], int]] = []
+        self._stepped: dict[int, threading.Event] = {}
+        self._worker_error: BaseException | None = None
+        # Stage 3 parameter offload, early step: host write-backs left in flight when step()
+        # returns (buffer -> True), done by settle() when the next forward fetches the shard
+        # (or flush); _deferred_after: the event they are ordered after (the step's backward).
+        self._deferred: dict[int, bool] = {}
+        self._deferred_after: Event = None
         self.steps = 0  # optimizer steps taken (delayed ones included)
         self.delayed_steps = 0
         self.early_steps = 0  # steps whose CPU work started during backward
@@ -250,16 +264,64 @@ class HostPlacement(ShardPlacement):
             if self.delay.delayed(self.steps, tiled=True, optimizer_name=type(optimizer).__name__):
                 return  # the delayed step runs after write_back instead
             self.runner.join()
+            self._flush_deferred()
             self._in_step = True
             self._early = self._prepare(optimizer, True)
             self._early_work = []
-        if any(i == index for i, _ in self._early_work):
+            self._stepped = {}
+        if index in self._stepped:
             return
         self._ready = self.copier.ready()  # after the reduction, on the stream that waited for it
         self._copy_down(index, grad_shard)
+        self._enqueue(index)
+
+    def _enqueue(self, index: int) -> None:
+        """Queue flat buffer ``index``'s early CPU update: the worker runs one job per buffer
+        queued, each taking the queued buffer of best priority (_priority)."""
+        self._stepped[index] = threading.Event()
+        with self._sched:
+            heapq.heappush(self._queue, (self._priority(index), index))
         job = self._early
-        future = self.runner.submit(lambda: self._update(job, push=False, indices=[index]), queue=True)
+        future = self.runner.submit(lambda: self._early_next(job), queue=True)
         self._early_work.append((index, future))
+
+    def _priority(self, index: int) -> tuple[int, int]:
+        """Buffers the step must finish before it returns first; then those whose write-back
+        may finish later (_deferrable) in the order the next forward uses them (the reverse of
+        the order their gradients became final), so it can start on the first while the CPU
+        steps the rest."""
+        if not self._deferrable(index):
+            return (0, 0)
+        order = ready_order(len(self.masters), self.opts.stage)
+        return (1, len(order) - 1 - order.index(index))
+
+    def _deferrable(self, index: int) -> bool:
+        """May this buffer's write-back complete after step() returns? Only into a host shard
+        of stage 3's parameter store (whose fetch settles it first), with masters in memory,
+        once the destination is known (from the second step on)."""
+        if self.stage_on_host or getattr(self.param_store, "before_read", False) is False:
+            return False
+        target = self._targets.get(index)
+        return target is not None and target.device.type == "cpu"
+
+    def _early_next(self, job: StepJob) -> None:
+        """Worker: the early CPU update of the queued buffer of best priority."""
+        with self._sched:
+            _, index = heapq.heappop(self._queue)
+        try:
+            self._update(job, push=False, indices=[index])
+        except BaseException as e:
+            self._worker_error = e
+            raise
+        finally:
+            self._stepped[index].set()
+
+    def _wait_stepped(self, index: int) -> None:
+        self._stepped[index].wait()
+        if self._worker_error is not None:
+            error, self._worker_error = self._worker_error, None
+            self.runner.join()  # raises the worker's exception with its traceback
+            raise error
 
     def _copy_down(self, index: int, grad_shard: torch.Tensor) -> None:
         host = self.grads[index]
@@ -271,10 +333,11 @@ class HostPlacement(ShardPlacement):
         if self.on_device[index]:
             return grad_shard if grad_shard.dtype == master.dtype else grad_shard.to(master.dtype)
         if self._early is not None:
-            if not any(i == index for i, _ in self._early_work):
+            if index not in self._stepped:
                 self._copy_down(index, grad_shard)  # no reduction hook for this one
             return self.grads[index]
         self.runner.join()  # a delayed step may still be reading self.grads
+        self._flush_deferred()
         if not self._in_step:
             self._in_step = True
             self._ready = self.copier.ready()
@@ -300,6 +363,8 @@ class HostPlacement(ShardPlacement):
         if self._early is not None:
             self._finish_early()
             return
+        self.runner.join()
+        self._flush_deferred()
         tiled = supports_tiles(optimizer)
         delayed = self.delay.delayed(self.steps, tiled=tiled, optimizer_name=type(optimizer).__name__)
         job = self._prepare(optimizer, tiled)
@@ -315,35 +380,61 @@ class HostPlacement(ShardPlacement):
 
     def _finish_early(self) -> None:
         """The backward is over: queue what had no hook, then copy each flat buffer up as soon
-        as its CPU step is done (overlapping the CPU work still running on later ones)."""
+        as its CPU step is done (overlapping the CPU work still running on later ones). Stage 3
+        parameter offload: the host shards' write-backs are left to the next forward's fetches
+        (settle), which then starts while the CPU steps the rest."""
         job, self._early = self._early, None
         assert job is not None
         self.steps += 1
         self.early_steps += 1
-        done = {i for i, _ in self._early_work}
-        rest = [i for i in self._host if i not in done]
-        if rest:
-            future = self.runner.submit(lambda: self._update(job, push=False, indices=rest), queue=True)
-            self._early_work += [(i, future) for i in rest]
+        for i in self._host:
+            if i not in self._stepped:
+                self._enqueue(i)
         self._step_device(job)  # concurrently with the host part still running on the worker
         self._ready = self.copier.ready()  # parameters may be written once the backward is done
-        for i, future in self._early_work:
-            future.result()
+        later = [i for i in self._host if self._deferrable(i)]
+        deferred = set(later)
+        for i in sorted((i for i in self._host if i not in deferred), key=self._priority):
+            self._wait_stepped(i)
             target = self._targets.get(i)
             if target is not None and self._fresh[i]:
                 self._push(i, target)
         self._early_work = []
-        self.runner.join()
+        if later:
+            self._deferred = dict.fromkeys(later, True)
+            self._deferred_after = self._ready
+            self.param_store.before_read = self.settle  # type: ignore[union-attr]
+        else:
+            self.runner.join()
+
+    def settle(self, index: int) -> None:
+        """Flat buffer ``index``'s deferred write-back, now (training thread; stage 3's fetch of
+        the shard and its host readers call it through the parameter store): wait for its CPU
+        update, copy it into the host shard and wait until it landed."""
+        if not self._deferred.pop(index, False):
+            return
+        self._wait_stepped(index)
+        target = self._targets[index]
+        self._push(index, target, after=self._deferred_after)
+        Copier.wait(self._up_ev[index][-1])
+        if not self._deferred:
+            self._deferred_after = None
+
+    def _flush_deferred(self) -> None:
+        """Every deferred write-back done (before anything else touches masters or shards)."""
+        for index in sorted(self._deferred, key=self._priority):
+            self.settle(index)
 
     def _source(self, index: int) -> torch.Tensor:
         staging = self.staging[index]
         return self.masters[index] if staging is None else staging
 
-    def _push(self, index: int, dst: torch.Tensor) -> None:
+    def _push(self, index: int, dst: torch.Tensor, after: Event = None) -> None:
         flat, src = dst.reshape(-1), self._source(index)
         self._host_dst = self._host_dst or dst.device.type == "cpu"
+        ready = self._ready if after is None else after
         for k, (a, b) in enumerate(self.tiles[index]):
-            self._up_ev[index][k] = self._last_up = self.copier.to_device(flat[a:b], src[a:b], self._ready)
+            self._up_ev[index][k] = self._last_up = self.copier.to_device(flat[a:b], src[a:b], ready)
         self._fresh[index] = False
 
     def write_back(self, index: int, master: torch.Tensor, dst: torch.Tensor) -> None:
@@ -351,10 +442,15 @@ class HostPlacement(ShardPlacement):
             if master.data_ptr() != dst.data_ptr():
                 dst.copy_(master)
             return
+        if index in self._deferred:
+            if self._targets.get(index) is dst:
+                return  # its fetch (or the next step) copies it: settle()
+            self.settle(index)
         if not self._in_step:
             # Outside a step (e.g. after a checkpoint load wrote the masters): the masters are
             # the truth; refresh the staging copy from them.
             self.runner.join()
+            self._flush_deferred()
             self._ready = self.copier.ready()
             staging = self.staging[index]
             if staging is not None:
@@ -424,6 +520,7 @@ class HostPlacement(ShardPlacement):
 
     def synchronize(self) -> None:
         self.runner.join()  # (a step started during backward completes in step(); not here)
+        self._flush_deferred()
 
     def close(self) -> None:
         self.runner.close()

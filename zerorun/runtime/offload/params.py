@@ -10,7 +10,11 @@
   through the page cache into a (pinned) host buffer, then copies it up as above.
 
 The optimizer's write-back lands directly in the host shard (``ShardPlacement.write_back`` is
-given it as ``dst``). On a CPU training device (tests) ``fetch`` returns the shard itself.
+given it as ``dst``). With CPU optimizer offload and a step started during the backward, that
+write-back may still be pending when the step returns (``HostPlacement.settle``): the placement
+sets ``before_read``, and ``fetch`` -- or ``settle``, for stage 3's host readers (model_io) --
+completes it for the shard first, so the next forward starts while the CPU steps later shards.
+On a CPU training device (tests) ``fetch`` returns the shard itself.
 """
 
 from __future__ import annotations
@@ -45,6 +49,14 @@ class HostParamStore(ParamShardStore):
             assert opts.param_nvme_path is not None
             self._files = TileFiles(opts.param_nvme_path, int(os.environ.get("RANK", "0") or 0))
         self.fetches = 0  # host->device copies issued (tests check the store is used)
+        # Set by the optimizer placement: completes a shard's pending write-back (key) before
+        # it is read. None: nothing is ever pending.
+        self.before_read: Callable[[int], None] | None = None
+
+    def settle(self, key: int) -> None:
+        """Shard ``key`` holds the latest update (a pending write-back completed)."""
+        if self.before_read is not None:
+            self.before_read(key)
 
     def allocate(self, key: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
         if self._files is not None:
@@ -56,6 +68,7 @@ class HostParamStore(ParamShardStore):
         return shard
 
     def fetch(self, key: int, shard: torch.Tensor) -> torch.Tensor:
+        self.settle(key)
         self.fetches += 1
         if self.device.type != "cuda":
             return shard

@@ -80,6 +80,7 @@ def write_group_range(g: ParamGroup, li: int, lo: int, hi: int, values: torch.Te
     """``values`` are elements ``[lo, hi)`` of flat buffer ``li`` of ``g``: update this rank's
     at-rest shard, its fp32 master and, if the group is gathered, the gathered buffer."""
     layout = g.layouts[li]
+    _settle(g, li)
     start, end = layout.shard_range(g.rank)
     a, b = max(lo, start), min(hi, end)
     with torch.no_grad():
@@ -91,6 +92,14 @@ def write_group_range(g: ParamGroup, li: int, lo: int, hi: int, values: torch.Te
             master = _master(g, li)
             if master is not None and master.data_ptr() != g.at_rest[li].data_ptr():
                 master[a - start : b - start].copy_(piece.to(master.dtype))
+
+
+def _settle(g: ParamGroup, li: int) -> None:
+    """Parameter offload: the at-rest shard's pending optimizer write-back done before it is
+    read or written here (``HostParamStore.settle``; other stores have nothing pending)."""
+    settle = getattr(g.store, "settle", None)
+    if settle is not None:
+        settle(g.layouts[li].index)
 
 
 def _master(g: ParamGroup, li: int) -> torch.Tensor | None:
@@ -205,6 +214,7 @@ def _assemble(p: nn.Parameter) -> torch.Tensor:
     if g.state != 0:
         return g.full[li][slot.offset : slot.offset + slot.numel].view(slot.shape).cpu().clone()
     out = torch.zeros(slot.numel, dtype=g.dtype, device=g.device)
+    _settle(g, li)
     start, end = layout.shard_range(g.rank)
     a, b = max(slot.offset, start), min(slot.offset + slot.numel, end)
     if a < b:
