@@ -523,9 +523,13 @@ class HostPlacement(ShardPlacement):
         self._flush_deferred()
 
     def close(self) -> None:
-        self.runner.close()
-        if self.param_store is not None:
-            self.param_store.close()
+        try:
+            self.runner.join()
+            self._flush_deferred()  # the host shards hold the last update
+        finally:
+            self.runner.close()
+            if self.param_store is not None:
+                self.param_store.close()
 
     def add_memory(self, ledger: Any) -> None:
         if self.param_store is not None:
