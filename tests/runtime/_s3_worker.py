@@ -101,6 +101,8 @@ def structure(engine) -> dict:
         "peak_live_numel": st.schedule.peak_live_numel,
         "max_group_numel": max(g.numel for g in part),
         "root_numel": sum(g.numel for g in part if g.module is engine.module),
+        "peak_staging_bytes": st.hooks.peak_staging_bytes,
+        "max_group_staging_bytes": max(g.staging_bytes() * len(g.layouts) for g in st.groups),
         "at_rest_bytes": sum(r.numel() * r.element_size() for g in part for r in g.at_rest),
         "at_rest_numel": sum(r.numel() for g in part for r in g.at_rest),
         "partitioned_numel": sum(g.numel for g in part),

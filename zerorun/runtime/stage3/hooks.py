@@ -115,7 +115,6 @@ class _Calls:
 
 
 class Stage3Hooks:
-    max_inflight = 2  # reduce-scatters outstanding before the oldest is waited for
 
     def __init__(
         self,
@@ -288,6 +287,11 @@ class Stage3Hooks:
 
     def _reduce(self, g: ParamGroup) -> None:
         self.calls[g.index].reduced = True
+        # The previous group's reductions are retired before this group's staging buffer is
+        # filled (on CUDA an event wait, no host sync): one staging buffer alive at a time, as
+        # FSDP2's one reduce-scatter input buffer; each reduction still overlaps the whole
+        # backward of the next group.
+        self.wait_reductions()
         issued = g.reduce_grads()
         if not issued:  # one rank: the gradient shards are written already
             for li, layout in enumerate(g.layouts):
@@ -299,11 +303,8 @@ class Stage3Hooks:
             if self.backward_open:
                 self.launched_during_backward += 1
             self.pending.append((layout.index, shard, p))
-        self._staging_live += g.staging_bytes() * len(issued)
+        self._staging_live = g.staging_bytes() * len(issued)
         self.peak_staging_bytes = max(self.peak_staging_bytes, self._staging_live)
-        while len(self.pending) > self.max_inflight:
-            self._retire()
-            self._staging_live = max(0, self._staging_live - g.staging_bytes())
 
     # -- debug: same order on every rank --------------------------------------------------------
     def _check_same_group(self, g: ParamGroup, what: str) -> None:
