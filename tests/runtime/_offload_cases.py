@@ -21,6 +21,7 @@ class OCase:
     inject: tuple[tuple[int, int], ...] = ()
     ratio: float | str = 1.0  # offload_optimizer.ratio (Twin-Flow); "auto" with budget_gb
     budget_gb: float = 0.0  # zerorun.offload_gpu_budget_gb
+    unhooked: int = 0  # flat buffers whose grad_ready the worker withholds (a stage that cannot call it)
 
     @property
     def name(self) -> str:
@@ -37,6 +38,8 @@ class OCase:
             parts.append("overflow")
         if self.ratio != 1.0:
             parts.append(f"ratio{self.ratio:g}" if self.ratio != "auto" else f"ratio-auto{self.budget_gb:g}")
+        if self.unhooked:
+            parts.append(f"unhooked{self.unhooked}")
         return "-".join(parts)
 
     def to_dict(self) -> dict:
@@ -63,6 +66,7 @@ def matrix(world: int) -> list[OCase]:
             # (CUDA: the write-back into host shards goes through the device) and Twin-Flow.
             OCase(3, "bf16", param="cpu", model="wide"),
             OCase(3, "bf16", ratio=0.5, model="wide"),
+            OCase(3, "bf16", param="cpu", model="wide", unhooked=1),  # queued after the backward instead
         ]
     # Stage 3 gathers per module group in the forward, so every rank must run the same modules:
     # TinyNet's rank-dependent branch would deadlock it; stage 3 cases use WideNet.

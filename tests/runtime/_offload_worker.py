@@ -158,6 +158,8 @@ def run_case(case: oc.OCase, rank: int, world: int, nvme_dir: str) -> dict | Non
 
         def record(index: int, grad_shard: torch.Tensor, optimizer: object) -> None:
             ready.append(index)
+            if index < case.unhooked:
+                return  # as if the stage could not tell: grad_for_step copies it, step() queues it
             hook(index, grad_shard, optimizer)
 
         placement.grad_ready = record

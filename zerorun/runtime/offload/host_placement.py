@@ -273,15 +273,14 @@ class HostPlacement(ShardPlacement):
             return
         self._ready = self.copier.ready()  # after the reduction, on the stream that waited for it
         self._copy_down(index, grad_shard)
-        self._enqueue(index)
+        self._enqueue(index, self._early)
 
-    def _enqueue(self, index: int) -> None:
+    def _enqueue(self, index: int, job: StepJob) -> None:
         """Queue flat buffer ``index``'s early CPU update: the worker runs one job per buffer
         queued, each taking the queued buffer of best priority (_priority)."""
         self._stepped[index] = threading.Event()
         with self._sched:
             heapq.heappush(self._queue, (self._priority(index), index))
-        job = self._early
         future = self.runner.submit(lambda: self._early_next(job), queue=True)
         self._early_work.append((index, future))
 
@@ -389,7 +388,7 @@ class HostPlacement(ShardPlacement):
         self.early_steps += 1
         for i in self._host:
             if i not in self._stepped:
-                self._enqueue(i)
+                self._enqueue(i, job)  # no reduction hook for this one (copied down by grad_for_step)
         self._step_device(job)  # concurrently with the host part still running on the worker
         self._ready = self.copier.ready()  # parameters may be written once the backward is done
         later = [i for i in self._host if self._deferrable(i)]
