@@ -47,6 +47,11 @@ _COLOURS = ("cyan", "magenta", "green", "yellow", "blue", "bright_red", "bright_
 DETAIL_MAX_RANKS = 128
 # The live panel is rebuilt at most this often (the supervisor calls refresh() every batch).
 _PANEL_EVERY_S = 0.5
+# On a terminal, rank lines are printed at most this often (or once this many are waiting): each
+# print also redraws the live panel (~1.4 ms), which at the supervisor's batch sizes (tens of
+# lines when a rank prints fast) cost ~70 us of launcher CPU per line.
+_PRINT_EVERY_S = 0.025
+_PRINT_LINES = 2000
 
 
 # What rich's Text removes from printed text (bell, backspace, vertical tab, form feed, `\r`).
@@ -230,6 +235,9 @@ class RichConsole:
         self._next_panel = 0.0
         self._heads: dict[tuple[int, str], str] = {}
         self._dim = ("", "")
+        self._pending: list[str] = []  # rendered lines not printed yet
+        self._pending_lines = 0
+        self._printed_at = 0.0
 
     def begin(self, plan: LaunchPlan, states: Sequence[RankState]) -> None:
         from rich.live import Live
@@ -288,7 +296,17 @@ class RichConsole:
             else:
                 parts.append(f"{head}{dim_open}{text}{dim_close}\n")
         if parts:
-            self.console.print(_Raw("".join(parts)), soft_wrap=True)
+            self._pending.append("".join(parts))
+            self._pending_lines += len(parts)
+            if self._pending_lines >= _PRINT_LINES:
+                self._print_pending()
+
+    def _print_pending(self) -> None:
+        """Print the lines waiting (refresh, note, stop, and a full batch call this)."""
+        if self._pending:
+            text, self._pending, self._pending_lines = "".join(self._pending), [], 0
+            self.console.print(_Raw(text), soft_wrap=True)
+        self._printed_at = time.monotonic()
 
     def _render(self, text: Any) -> str:
         with self.console.capture() as capture:
@@ -299,12 +317,18 @@ class RichConsole:
         from rich.markup import escape
 
         style = {"info": "bold", "warn": "bold yellow", "error": "bold red"}[level]
+        self._print_pending()  # the rank lines before it come first
         self.console.print(f"[{style}]zerorun:[/] {escape(text)}", markup=True, highlight=False)
 
     def refresh(self) -> None:
         now = time.monotonic()
+        if self._pending and now - self._printed_at >= _PRINT_EVERY_S:
+            self._print_pending()
         if self._large is not None:
-            for line in self._large.dedup.due(now):
+            due = self._large.dedup.due(now)
+            if due:
+                self._print_pending()
+            for line in due:
                 self.console.print(line, markup=False, highlight=False, style="yellow")
         if self._live is not None and now >= self._next_panel:
             # The panel is O(ranks) to build: at most every _PANEL_EVERY_S, not every batch.
@@ -312,6 +336,7 @@ class RichConsole:
             self._live.update(self._panel())
 
     def stop(self) -> None:
+        self._print_pending()
         if self._live is not None:
             self._live.stop()
             self._live = None
