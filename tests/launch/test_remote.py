@@ -15,6 +15,7 @@ def test_preflight_answers_are_checked() -> None:
     import queue
     from types import SimpleNamespace
 
+    from zerorun._version import __version__
     from zerorun.launch.remote import _collect_hellos
 
     def channel(*messages: object, stderr: tuple[str, ...] = (), code: int | None = 1) -> object:
@@ -26,7 +27,7 @@ def test_preflight_answers_are_checked() -> None:
             target=SimpleNamespace(display="nodeX (10.0.0.9)"),
         )
 
-    ok = {"t": "hello", "version": "1.0", "protocol": wire.PROTOCOL_VERSION}
+    ok = {"t": "hello", "version": __version__, "protocol": wire.PROTOCOL_VERSION}
     channels = {
         "a": channel(ok),
         "b": channel({"t": "hello", "version": "0.9", "protocol": wire.PROTOCOL_VERSION}),
@@ -35,10 +36,10 @@ def test_preflight_answers_are_checked() -> None:
         "e": channel(None, stderr=("bash: /opt/py/bin/python: No such file or directory",), code=127),
         "f": channel(),  # silent
     }
-    hellos, errors = _collect_hellos(channels, "/opt/py/bin/python", "/work", "1.0", timeout=0.2)  # type: ignore[arg-type]
+    hellos, errors = _collect_hellos(channels, "/opt/py/bin/python", "/work", timeout=0.2)  # type: ignore[arg-type]
     assert list(hellos) == ["a"]
     problems = {name: (f.category, f.message) for name, f in errors.items()}  # rows of fanout.failure_table
-    assert problems["b"][0] == "version" and "imports zerorun 0.9, this launcher is zerorun 1.0" in problems["b"][1]
+    assert problems["b"][0] == "version" and f"imports zerorun 0.9, this launcher is zerorun {__version__}" in problems["b"][1]
     assert problems["c"] == ("port", "master port 1 is already in use there")
     assert problems["d"][0] == "zerorun" and "cannot import zerorun" in problems["d"][1]
     assert problems["e"][0] == "python" and "the remote interpreter /opt/py/bin/python does not exist there" in problems["e"][1]

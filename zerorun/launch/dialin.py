@@ -181,8 +181,7 @@ def prepare_dialed(
     (`launch/node_devices.py`; `ranks_from_gpus`: a GPU node runs a rank per GPU). Nothing
     starts before every node passed; a failure stops the command and raises LaunchError naming
     the nodes."""
-    from zerorun._version import __version__
-    from zerorun.launch.fanout import Failed, failure_table
+    from zerorun.launch.fanout import failure_table
     from zerorun.launch.node_devices import adopt_node_devices
     from zerorun.launch.remote import check_devices, ssh_options_from
 
@@ -261,20 +260,11 @@ def prepare_dialed(
                     script=plan.target.script,
                 ),
             )
-        hellos: dict[str, dict[str, Any]] = {}
-        errors: dict[str, Failed[str]] = {}
-        hello_deadline = time.monotonic() + 30
-        for name in names:
-            msg = wire.wait_hello(links[name].messages, hello_deadline)
-            problem = None if msg is None else wire.hello_problem(msg, version=__version__, python=python)
-            if msg is None:
-                tail = "; ".join(links[name].stderr_tail[-3:] or step.tail[-3:])
-                why = "the node agent did not answer the preflight" + (f" ({tail})" if tail else "")
-                errors[name] = Failed(name, "timeout", why, 1)
-            elif problem is not None:
-                errors[name] = Failed(name, problem[0], problem[1], 1)
-            else:
-                hellos[name] = msg
+        def silent(name: str) -> tuple[str, str]:
+            tail = "; ".join(links[name].stderr_tail[-3:] or step.tail[-3:])
+            return "timeout", "the node agent did not answer the preflight" + (f" ({tail})" if tail else "")
+
+        hellos, errors = wire.collect_hellos({n: links[n] for n in names}, time.monotonic() + 30, python=python, silent=silent)
         if errors:
             raise LaunchError(failure_table(errors, what="The preflight") + "\nNothing was started.")
         master = hellos[names[0]]

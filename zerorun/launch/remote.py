@@ -73,8 +73,6 @@ def preflight(
     address the ranks use to reach it. `script` (the job's script, if any) must exist on
     every node, relative to the remote cwd.
     """
-    from zerorun._version import __version__
-
     python = options.remote_python or sys.executable
     cwd = options.remote_cwd or os.getcwd()
     connections = connect_nodes(aliases, options)
@@ -93,7 +91,7 @@ def preflight(
                     script=script,
                 ),
             )
-        hellos, errors = _collect_hellos(channels, python, cwd, __version__, options.preflight_timeout_s)
+        hellos, errors = _collect_hellos(channels, python, cwd, options.preflight_timeout_s)
         if errors:
             names = {alias: ch.target.display for alias, ch in channels.items()}
             raise LaunchError(failure_table(errors, what="The preflight", names=names) + "\nNothing was started.")
@@ -127,27 +125,18 @@ def preflight(
 
 
 def _collect_hellos(
-    channels: dict[str, NodeChannel], python: str, cwd: str, version: str, timeout: float
+    channels: dict[str, NodeChannel], python: str, cwd: str, timeout: float
 ) -> tuple[dict[str, dict[str, Any]], dict[str, Failed[str]]]:
     """Every node's `hello`, or what went wrong there (`fanout.Failed`, for `failure_table`)."""
-    hellos: dict[str, dict[str, Any]] = {}
-    errors: dict[str, Failed[str]] = {}
     deadline = time.monotonic() + timeout
-    for alias, ch in channels.items():
-        msg = wire.wait_hello(ch.messages, deadline)
-        if msg is None:
-            if time.monotonic() >= deadline:
-                errors[alias] = Failed(alias, "timeout", f"the node agent did not answer within {timeout:g} s", 1)
-            else:
-                errors[alias] = Failed(alias, *_explain_early_exit(ch, python, cwd), 1)
-            continue
-        hint = " (or point --remote_python at an environment that has it)"
-        problem = wire.hello_problem(msg, version=version, python=python, hint=hint)
-        if problem is not None:
-            errors[alias] = Failed(alias, problem[0], problem[1], 1)
-        else:
-            hellos[alias] = msg
-    return hellos, errors
+
+    def silent(alias: str) -> tuple[str, str]:
+        if time.monotonic() >= deadline:
+            return "timeout", f"the node agent did not answer within {timeout:g} s"
+        return _explain_early_exit(channels[alias], python, cwd)
+
+    hint = " (or point --remote_python at an environment that has it)"
+    return wire.collect_hellos(channels, deadline, python=python, silent=silent, hint=hint)
 
 
 def _explain_early_exit(ch: NodeChannel, python: str, cwd: str) -> tuple[str, str]:

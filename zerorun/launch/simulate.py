@@ -171,7 +171,6 @@ def prepare(
     """Connect to every node (bounded fan-out, retries), run the preflight on every agent, and
     return the plan with the master port the master picked, plus one runner per node. Nothing
     starts before every node passed; failures raise one LaunchError with the failure table."""
-    from zerorun._version import __version__
 
     names = {n.node_rank: n.host.name for n in plan.nodes}
     fdlimit.check(len(names), f"links to {len(names)} simulated nodes")
@@ -187,20 +186,10 @@ def prepare(
             raise LaunchError(failure_table(failures, names=names) + "\nNothing was started.")
         for r, link in links.items():
             link.send("preflight", **wire.preflight_fields(check_port=None, pick_port=r == 0, script=None))
-        deadline = time.monotonic() + preflight_timeout_s
-        hellos: dict[int, dict[str, Any]] = {}
-        from zerorun.launch.fanout import Failed
-
-        bad: dict[int, Failed[int]] = {}
-        for r, link in links.items():
-            msg = wire.wait_hello(link.messages, deadline)
-            problem = None if msg is None else wire.hello_problem(msg, version=__version__, python=sys.executable)
-            if msg is None:
-                bad[r] = Failed(r, "timeout", "the node agent did not answer the preflight", 1)
-            elif problem is not None:
-                bad[r] = Failed(r, problem[0], problem[1], 1)
-            else:
-                hellos[r] = msg
+        hellos, bad = wire.collect_hellos(
+            links, time.monotonic() + preflight_timeout_s, python=sys.executable,
+            silent=lambda r: ("timeout", "the node agent did not answer the preflight"),
+        )
         if bad:
             raise LaunchError(failure_table(bad, what="The preflight", names=names) + "\nNothing was started.")
         port = int(hellos[0].get("port") or plan.master_port)

@@ -36,10 +36,15 @@ from __future__ import annotations
 import json
 import queue
 import time
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from zerorun.launch.messages import RankEvent, RankExit, RankOutput, RankStarted
+
+if TYPE_CHECKING:  # pragma: no cover
+    from zerorun.launch.fanout import Failed
+
+K = TypeVar("K", bound=Hashable)
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -51,6 +56,7 @@ __all__ = [
     "preflight_fields",
     "wait_hello",
     "hello_problem",
+    "collect_hellos",
     "plan_to_dict",
     "plan_from_dict",
 ]
@@ -119,6 +125,39 @@ def hello_problem(msg: Mapping[str, Any], *, version: str, python: str, hint: st
     if msg.get("error"):
         return str(msg.get("error_kind") or "preflight"), str(msg["error"])
     return None
+
+
+def collect_hellos(
+    inboxes: Mapping[K, Any],
+    deadline: float,
+    *,
+    python: str,
+    silent: Callable[[K], tuple[str, str]],
+    hint: str = "",
+) -> tuple[dict[K, dict[str, Any]], dict[K, Failed[K]]]:
+    """Every agent's answer to the preflight, judged: (the good `hello`s, the failures for
+    `fanout.failure_table`). `inboxes` maps a node to what holds its agent's messages (`.messages`:
+    an `agent_runner.AgentInbox`); each `hello` is awaited until `deadline` (time.monotonic)
+    and checked against this launcher (`hello_problem`: zerorun version and protocol,
+    the node's own error). `silent(node)` -> (category, message) for an agent that did not
+    answer: compare the clock with `deadline` to tell silence from an ended stream.
+    One loop for SSH, the Slurm/MPI dial-in and the simulation."""
+    from zerorun._version import __version__
+    from zerorun.launch.fanout import Failed
+
+    hellos: dict[K, dict[str, Any]] = {}
+    failures: dict[K, Failed[K]] = {}
+    for node, inbox in inboxes.items():
+        msg = wait_hello(inbox.messages, deadline)
+        if msg is None:
+            failures[node] = Failed(node, *silent(node), 1)
+            continue
+        problem = hello_problem(msg, version=__version__, python=python, hint=hint)
+        if problem is not None:
+            failures[node] = Failed(node, problem[0], problem[1], 1)
+        else:
+            hellos[node] = msg
+    return hellos, failures
 
 
 # --- a rank's messages on the wire -----------------------------------------------------------
