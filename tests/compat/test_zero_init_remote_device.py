@@ -78,7 +78,7 @@ def test_from_a_config_with_param_offload_the_slices_stay_in_host_memory() -> No
         "absent": BASE,
     }
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
-    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    env.update(PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])), OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, "-c", _PROBE, json.dumps(configs)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
