@@ -23,15 +23,21 @@ import math
 import operator
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from zerorun.errors import RuntimeConfigError
 from zerorun.runtime.flat_stage import wait_all_params
 from zerorun.runtime.stage3.param_group import ParamGroup
+
+if TYPE_CHECKING:
+    from torch.nn.modules.module import _IncompatibleKeys
+
+    from zerorun.runtime.stage3.zero_init import InitShard
 
 __all__ = ["GatheredParameters", "install_state_dict_hooks", "load_pretrained", "is_partitioned", "set_full_state_dict"]
 
@@ -40,7 +46,7 @@ def _group(p: nn.Parameter) -> ParamGroup | None:
     return getattr(p, "_zerorun_group", None)
 
 
-def _init(p: nn.Parameter) -> Any:
+def _init(p: nn.Parameter) -> InitShard | None:
     return getattr(p, "_zerorun_init", None)
 
 
@@ -49,7 +55,7 @@ def is_partitioned(p: nn.Parameter) -> bool:
     return _init(p) is not None or (g is not None and not g.resident)
 
 
-def _world_group() -> tuple[int, Any]:
+def _world_group() -> tuple[int, dist.ProcessGroup | None]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size(), None
     return 1, None
@@ -151,6 +157,7 @@ class GatheredParameters:
             g.wait()
         for p in self.inits:
             h = _init(p)
+            assert h is not None  # self.inits: zero.Init parameters only
             p.data = h.materialize().clone().view(h.shape)
         return self
 
@@ -169,7 +176,9 @@ class GatheredParameters:
                 if g.holds == 0 and id(g) not in self._was_gathered:
                     g.release()
             for p in self.inits:
-                p.data = _init(p).placeholder
+                h = _init(p)
+                assert h is not None
+                p.data = h.placeholder
 
     def _scatter_back(self, src: int, world: int) -> None:
         mine = {id(p) for p in self.params}
@@ -185,7 +194,9 @@ class GatheredParameters:
         for p in self.inits:
             if world > 1:
                 _broadcast(p.data, src)
-            _init(p).write_full(p.data)
+            h = _init(p)
+            assert h is not None
+            h.write_full(p.data)
         for p in self.plain:
             if world > 1:
                 _broadcast(p.data, src)
@@ -237,7 +248,7 @@ def set_full_state_dict(full: bool) -> bool:
     return previous
 
 
-def _state_dict_post_hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, _meta: Any) -> None:
+def _state_dict_post_hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, _meta: object) -> None:
     if not _assemble_on_state_dict:
         return
     for name, p in module._parameters.items():
@@ -258,7 +269,7 @@ class _LoadHooks:
         module: nn.Module,
         state_dict: dict[str, Any],
         prefix: str,
-        _meta: Any,
+        _meta: object,
         _strict: bool,
         _missing: list[str],
         _unexpected: list[str],
@@ -287,12 +298,12 @@ class _LoadHooks:
             write_param(p, value)
             self.loaded.add(key)
 
-    def post(self, _module: nn.Module, incompatible: Any) -> None:
+    def post(self, _module: nn.Module, incompatible: _IncompatibleKeys) -> None:
         if self.loaded:
             incompatible.missing_keys[:] = [k for k in incompatible.missing_keys if k not in self.loaded]
 
 
-def install_state_dict_hooks(root: nn.Module) -> list[Any]:
+def install_state_dict_hooks(root: nn.Module) -> list[RemovableHandle]:
     """Make ``state_dict`` / ``load_state_dict`` of ``root`` and its submodules stage-3 aware."""
     handles = []
     for m in root.modules():

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -40,6 +40,9 @@ from torch import nn
 from zerorun.runtime.collectives import Communicator, Pending
 from zerorun.runtime.partition import FlatLayout
 from zerorun.runtime.stage3.param_store import ParamShardStore
+
+if TYPE_CHECKING:
+    from zerorun.runtime.stage3.stage import Stage3
 
 __all__ = ["ParamGroup", "RELEASED", "GATHERING", "GATHERED"]
 
@@ -91,7 +94,7 @@ class ParamGroup:
         self.numel = sum(layout.padded_numel for layout in self.layouts)
         self.state = RELEASED
         self.holds = 0  # GatheredParameters contexts holding the group gathered
-        self.stage: Any = None  # the Stage3 owning the group (model_io reaches the masters through it)
+        self.stage: Stage3 | None = None  # the Stage3 owning the group (model_io reaches the masters through it)
         self._pending: list[Pending] = []
         self._fetched: list[torch.Tensor] = []
         self._placeholder = torch.empty(0, dtype=param_dtype, device=device)
