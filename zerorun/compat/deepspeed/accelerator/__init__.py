@@ -63,11 +63,19 @@ class Accelerator:
         if self._cuda:
             torch.cuda.empty_cache()
 
+    # As DeepSpeed's CUDA accelerator: only the GPU generators (the CPU's is left as it was; the
+    # CPU accelerator seeds the CPU's).
     def manual_seed(self, seed: int) -> None:
-        torch.manual_seed(seed)
+        if self._cuda:
+            torch.cuda.manual_seed(seed)
+        else:
+            torch.manual_seed(seed)
 
     def manual_seed_all(self, seed: int) -> None:
-        torch.manual_seed(seed)
+        if self._cuda:
+            torch.cuda.manual_seed_all(seed)
+        else:
+            torch.manual_seed(seed)
 
     def is_bf16_supported(self) -> bool:
         return torch.cuda.is_bf16_supported() if self._cuda else True
