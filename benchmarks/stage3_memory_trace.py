@@ -99,9 +99,8 @@ def _flatten(events: list[Any]) -> list[Any]:
 
 
 def _alloc_owner(e: Any) -> str:
-    p = e.parent
-    while p is not None and not p.name.startswith("aten::") and p.parent is not None:
-        p = p.parent
+    """The allocation's three innermost enclosing events ("aten::mm < aten::matmul < ..."; "?"
+    for none: zerorun's gather buffers are resized outside any operator)."""
     names = []
     q = e.parent
     while q is not None and len(names) < 3:
