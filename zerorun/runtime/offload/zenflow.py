@@ -233,11 +233,15 @@ class ZenFlowPlacement(CpuPlacement):
         and never read before)."""
         if self._count == 0:
             return
-        self._ready = self.copier.ready()
-        for i in range(len(self.masters)):
-            acc = self._acc[i]
+        for acc in self._acc:
             assert acc is not None
             acc.div_(self._count)
+        # The copies down start after this event: recorded after the divisions (on CUDA an
+        # event recorded before them let a copy read the sum instead of the mean -- a race that
+        # made GPU runs differ from run to run; the CPU's synchronous copies never showed it).
+        self._ready = self.copier.ready()
+        for i, acc in enumerate(self._acc):
+            assert acc is not None
             self._copy_down(i, acc)
         self.copier.fence(self._last_down)
         job = self._prepare(optimizer, True)
