@@ -294,6 +294,30 @@ def test_user_started_mpirun_finds_rank0s_host(cluster, reference, tmp_path: Pat
     assert not wait_clean(cluster.nodes[:2], 10)
 
 
+def test_user_mpirun_inside_an_allocation(cluster, slurm, reference, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """`salloc -N2 mpirun -np 4 ...`: mpirun starts its daemons with srun, so every rank carries
+    its daemon's SLURM_PROCID/SLURM_NTASKS (node index, node count); the ranks must go by Open
+    MPI's variables and find rank 0's host through PMIx, not Slurm's first node and job-id port."""
+    conf = tmp_path / "zero3.yaml"
+    conf.write_text(ZERO_CONFIG)
+    env = slurm.env(launcher_env(cluster, MN_MODE="zero", MN_CONFIG=str(conf)))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).parents[2]), env.get("PYTHONPATH")]))
+    forward = [a for name in ("OMP_NUM_THREADS", "TORCH_CPP_LOG_LEVEL", "PYTHONPATH", "MN_MODE", "MN_CONFIG")
+               for a in ("-x", name)]
+    argv = ["salloc", "-N2", "--ntasks-per-node=2", "mpirun", "--allow-run-as-root", "-np", "4", "--bind-to", "none",
+            "--tag-output", *forward, sys.executable, "-m", "zerorun.shim", str(SCRIPT)]
+    proc = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    for rank in range(4):
+        host = f"node{rank // 2 + 1}"
+        assert re.search(rf"\[1,{rank}\]<stdout>:INFO rank={rank} world=4 local_rank={rank % 2} .*host={host} master=node1$",
+                         out, re.M), out  # fmt: skip
+    losses = {int(m[1]): m[2] for m in re.finditer(r"\[1,(\d)\]<stdout>:ZSTEP 29 loss (\S+)", out)}
+    assert losses == reference, out
+    assert not wait_clean(slurm.nodes, 10)
+
+
 def test_kubernetes_manifests_train_like_ssh(cluster, reference, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """Each manifest of templates/kubernetes/, without a cluster: its pods (names, environment,
     command as the controllers set them: tests/launch/k8s_pods.py) on two fake hosts, each pod's

@@ -111,3 +111,38 @@ def test_torchrun_variables_for_a_script_under_mpirun() -> None:
     assert torchrun_env(slurm, never) == {
         "RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "n3", "MASTER_PORT": "20077",
     }  # fmt: skip
+
+
+# Rank 1 of `salloc -N2 --ntasks-per-node=2 mpirun -np 4 ...` (Open MPI 4.1 under Slurm 22.05, as
+# printed by a rank on the test machine's Slurm): mpirun started its daemons with srun, so the
+# ranks carry the daemon's SLURM_PROCID/SLURM_NTASKS (node index, node count).
+OMPI_IN_SALLOC = {**OMPI_RANK1, "SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0", "SLURM_STEP_ID": "0",
+                  "SLURM_JOB_ID": "1", "SLURM_JOB_NODELIST": "node[1-2]"}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [
+        (OMPI_IN_SALLOC, World(1, 4, 1, 2, "openmpi")),
+        # MPICH's hydra inside an allocation: rank 0 shares SLURM_PROCID 0 with its proxy, not the size.
+        ({"PMI_RANK": "0", "PMI_SIZE": "4", "MPI_LOCALRANKID": "0", "MPI_LOCALNRANKS": "2", "SLURM_PROCID": "0",
+          "SLURM_NTASKS": "2", "SLURM_LOCALID": "0"}, World(0, 4, 0, 2, "pmi")),
+        # srun --mpi=pmi2 / --mpi=pmix started the ranks themselves: Slurm's variables, SLURM_LOCALID included.
+        ({"PMI_RANK": "3", "PMI_SIZE": "4", "SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_LOCALID": "1"},
+         World(3, 4, 1, None, "slurm")),
+        ({"PMIX_RANK": "3", "PMIX_NAMESPACE": "slurm.pmix.77.0", "SLURM_PROCID": "3", "SLURM_NTASKS": "4",
+          "SLURM_LOCALID": "1"}, World(3, 4, 1, None, "slurm")),
+    ],
+)  # fmt: skip
+def test_the_innermost_launcher_wins_over_slurm(env: dict[str, str], expected: World) -> None:
+    assert world(env, never) == expected
+
+
+def test_mpirun_inside_an_allocation_finds_rank0_through_pmix() -> None:
+    server = FakeServer(PmixJob(rank=1, size=4, local_rank=1, local_size=2, rank0_host="node1"))
+    # Not Slurm's first node and job-id port: rank 0's host from PMIx, the port from the namespace.
+    assert rendezvous_address(OMPI_IN_SALLOC, 4, server) == ("node1", str(20000 + 512163841 % 20000))
+    # PRRTE inside an allocation (rank 0 on the first node: SLURM_PROCID 0 too): the PMIx server.
+    prrte = {**PRRTE_RANK3, "PMIX_RANK": "0", "SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0"}
+    job0 = FakeServer(PmixJob(rank=0, size=4, local_rank=0, local_size=2, rank0_host="node1"))
+    assert world(prrte, job0) == World(0, 4, 0, 2, "pmix")

@@ -2,11 +2,12 @@
 only: the shim uses it before torch is imported).
 
 Sources, first found wins: the torchrun variables (what zerorun's launcher sets, Contract 2),
-Slurm (`srun`: SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID), Open MPI (OMPI_COMM_WORLD_*),
-PMIx (PMIX_RANK / PMIX_SIZE / PMIX_LOCAL_RANK where a launcher exports them; otherwise, with
-only PMIX_RANK and PMIX_NAMESPACE, as Open MPI 5's PRRTE and `prterun` start a process, the
-PMIx server is asked: `runtime/pmix.py`), MPICH / Intel MPI / Cray PALS (PMI_RANK / PMI_SIZE,
-MPI_LOCALRANKID or PMI_LOCAL_RANK), and nothing at all (a single process).
+Open MPI (OMPI_COMM_WORLD_*), PMIx (PMIX_RANK / PMIX_SIZE / PMIX_LOCAL_RANK where a launcher
+exports them), Slurm (`srun`: SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID, unless an MPI's own
+rank variables disagree: then srun started the MPI's daemons, not this process), MPICH / Intel
+MPI / Cray PALS (PMI_RANK / PMI_SIZE, MPI_LOCALRANKID or PMI_LOCAL_RANK), the PMIx server
+(asked, `runtime/pmix.py`, when a launcher exports only PMIX_RANK and PMIX_NAMESPACE, as
+`prterun` does), and nothing at all (a single process).
 
 The master (MASTER_ADDR / MASTER_PORT): set by zerorun and torchrun; under srun the job's first
 node and a port from the job id; under an mpirun the user started on several hosts, rank 0's
@@ -28,15 +29,29 @@ __all__ = ["World", "world", "rank_env", "rendezvous_address", "first_slurm_host
 
 PmixQuery = Callable[[Mapping[str, str]], "pmix.PmixJob | None"]
 
-# (name, rank, size, local rank candidates, local size candidates)
+# (name, rank, size, local rank candidates, local size candidates), innermost launcher first: an
+# mpirun (or MPICH's mpiexec) inside a Slurm allocation starts its daemons with srun, and the
+# ranks inherit the daemon's SLURM_PROCID/SLURM_NTASKS (its node's index, the node count), which
+# are not theirs; Open MPI's and PMIx's own variables are.
 _SOURCES: tuple[tuple[str, str, str, tuple[str, ...], tuple[str, ...]], ...] = (
     ("torchrun", "RANK", "WORLD_SIZE", ("LOCAL_RANK",), ("LOCAL_WORLD_SIZE",)),
-    ("slurm", "SLURM_PROCID", "SLURM_NTASKS", ("SLURM_LOCALID",), ()),
     ("openmpi", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", ("OMPI_COMM_WORLD_LOCAL_RANK",),
      ("OMPI_COMM_WORLD_LOCAL_SIZE",)),
     ("pmix", "PMIX_RANK", "PMIX_SIZE", ("PMIX_LOCAL_RANK",), ("PMIX_LOCAL_SIZE",)),
+    ("slurm", "SLURM_PROCID", "SLURM_NTASKS", ("SLURM_LOCALID",), ()),
     ("pmi", "PMI_RANK", "PMI_SIZE", ("MPI_LOCALRANKID", "PMI_LOCAL_RANK"), ("MPI_LOCALNRANKS", "PMI_LOCAL_SIZE")),
 )  # fmt: skip
+
+
+def _slurm_is_outer(env: Mapping[str, str]) -> bool:
+    """srun started this process's launcher, not this process: a PMIx server other than Slurm's
+    own (whose namespaces are `slurm.pmix.JOB.STEP`) started it (PRRTE inside an allocation), or
+    MPICH's PMI variables disagree with SLURM_PROCID/SLURM_NTASKS (hydra inside an allocation).
+    Under `srun --mpi=pmix/pmi2` Slurm's (with SLURM_LOCALID) are used."""
+    if pmix.is_client(env) and not env["PMIX_NAMESPACE"].startswith("slurm.pmix."):
+        return True
+    slurm = (env.get("SLURM_PROCID"), env.get("SLURM_NTASKS"))
+    return env.get("PMI_RANK") is not None and (env.get("PMI_RANK"), env.get("PMI_SIZE", slurm[1])) != slurm
 
 
 @dataclass(frozen=True)
@@ -70,6 +85,8 @@ def world(env: Mapping[str, str], query: PmixQuery = pmix.job) -> World:
     """This process's place in its job, from whichever launcher started it."""
     for source, rank_var, size_var, local_vars, local_size_vars in _SOURCES:
         rank, size = _int_env(env, rank_var), _int_env(env, size_var)
+        if source == "slurm" and _slurm_is_outer(env):
+            continue
         if rank is not None and size is not None:
             local = _first(env, local_vars)
             if local is None:
@@ -107,7 +124,7 @@ def _job_port(key: str) -> str:
 def rendezvous_address(env: Mapping[str, str], world_size: int, query: PmixQuery = pmix.job) -> tuple[str, str]:
     """(MASTER_ADDR, MASTER_PORT) for env:// rendezvous."""
     addr, port = env.get("MASTER_ADDR") or None, env.get("MASTER_PORT") or None
-    if "SLURM_PROCID" in env and "RANK" not in env:
+    if world(env, query).source == "slurm":
         nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
         if addr is None and nodelist:
             addr = first_slurm_host(nodelist)
