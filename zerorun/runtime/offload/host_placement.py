@@ -134,10 +134,15 @@ class HostPlacement(ShardPlacement):
         self._queue: list[tuple[tuple[int, int], int]] = []
         self._stepped: dict[int, threading.Event] = {}
         self._worker_error: BaseException | None = None
-        # Stage 3 parameter offload, early step: host write-backs left in flight when step()
-        # returns (buffer -> True), done by settle() when the next forward fetches the shard
-        # (or flush); _deferred_after: the event they are ordered after (the step's backward).
-        self._deferred: dict[int, bool] = {}
+        # Stage 3 parameter offload, early step: host write-backs still in flight when step()
+        # returns. _deferred: buffer -> set once its copy into the host shard is issued (by
+        # _finish_early for buffers stepped during the backward, else by the worker right after
+        # the update); settle() waits for it (the next forward's fetch, host readers, flush).
+        # _unpushed: deferrable buffers stepped before _finish_early opened _deferred (both
+        # under _sched, so each is copied exactly once); _deferred_after: the event the copies
+        # are ordered after (the step's backward).
+        self._deferred: dict[int, threading.Event] = {}
+        self._unpushed: set[int] = set()
         self._deferred_after: Event = None
         self.steps = 0  # optimizer steps taken (delayed ones included)
         self.delayed_steps = 0
@@ -269,6 +274,7 @@ class HostPlacement(ShardPlacement):
             self._early = self._prepare(optimizer, True)
             self._early_work = []
             self._stepped = {}
+            self._unpushed = set()
         if index in self._stepped:
             return
         self._ready = self.copier.ready()  # after the reduction, on the stream that waited for it
@@ -304,16 +310,26 @@ class HostPlacement(ShardPlacement):
         return target is not None and target.device.type == "cpu"
 
     def _early_next(self, job: StepJob) -> None:
-        """Worker: the early CPU update of the queued buffer of best priority."""
+        """Worker: the early CPU update of the queued buffer of best priority; a deferred
+        write-back is issued right after it (the forward may be waiting for it)."""
         with self._sched:
             _, index = heapq.heappop(self._queue)
+        issued: threading.Event | None = None
         try:
             self._update(job, push=False, indices=[index])
+            with self._sched:
+                issued = self._deferred.get(index)
+                if issued is None and self._deferrable(index):
+                    self._unpushed.add(index)  # _finish_early copies it
+            if issued is not None:
+                self._push(index, self._targets[index], after=self._deferred_after, deferred=True)
         except BaseException as e:
             self._worker_error = e
             raise
         finally:
             self._stepped[index].set()
+            if issued is not None:
+                issued.set()
 
     def _wait_stepped(self, index: int) -> None:
         self._stepped[index].wait()
@@ -400,40 +416,55 @@ class HostPlacement(ShardPlacement):
                 self._push(i, target)
         self._early_work = []
         if later:
-            self._deferred = dict.fromkeys(later, True)
             self._deferred_after = self._ready
+            with self._sched:
+                self._deferred = {i: threading.Event() for i in later}
+                stepped, self._unpushed = [i for i in later if i in self._unpushed], set()
+            for i in stepped:  # stepped during the backward: copy them now, in forward order
+                self._push(i, self._targets[i], after=self._deferred_after, deferred=True)
+                self._deferred[i].set()
             self.param_store.before_read = self.settle  # type: ignore[union-attr]
         else:
             self.runner.join()
 
     def settle(self, index: int) -> None:
-        """Flat buffer ``index``'s deferred write-back, now (training thread; stage 3's fetch of
-        the shard and its host readers call it through the parameter store): wait for its CPU
-        update, copy it into the host shard and wait until it landed."""
-        if not self._deferred.pop(index, False):
+        """Flat buffer ``index``'s deferred write-back, complete (training thread; stage 3's
+        fetch of the shard and its host readers call it through the parameter store): wait
+        until its copy into the host shard was issued (after its CPU update), then until it
+        landed."""
+        issued = self._deferred.get(index)
+        if issued is None:
             return
-        self._wait_stepped(index)
-        target = self._targets[index]
-        self._push(index, target, after=self._deferred_after)
+        issued.wait()
+        if self._worker_error is not None:
+            self._wait_stepped(index)  # raises the worker's error
+        with self._sched:
+            del self._deferred[index]
         Copier.wait(self._up_ev[index][-1])
         if not self._deferred:
             self._deferred_after = None
 
     def _flush_deferred(self) -> None:
         """Every deferred write-back done (before anything else touches masters or shards)."""
-        for index in sorted(self._deferred, key=self._priority):
+        for index in sorted(self._deferred):
             self.settle(index)
 
     def _source(self, index: int) -> torch.Tensor:
         staging = self.staging[index]
         return self.masters[index] if staging is None else staging
 
-    def _push(self, index: int, dst: torch.Tensor, after: Event = None) -> None:
+    def _push(self, index: int, dst: torch.Tensor, after: Event = None, *, deferred: bool = False) -> None:
+        """Copy buffer ``index``'s update into ``dst`` (``deferred``: a write-back settle()
+        completes -- not covered by this step's fences, any thread)."""
         flat, src = dst.reshape(-1), self._source(index)
-        self._host_dst = self._host_dst or dst.device.type == "cpu"
+        if not deferred:
+            self._host_dst = self._host_dst or dst.device.type == "cpu"
         ready = self._ready if after is None else after
         for k, (a, b) in enumerate(self.tiles[index]):
-            self._up_ev[index][k] = self._last_up = self.copier.to_device(flat[a:b], src[a:b], ready)
+            ev = self.copier.to_device(flat[a:b], src[a:b], ready)
+            self._up_ev[index][k] = ev
+            if not deferred:
+                self._last_up = ev
         self._fresh[index] = False
 
     def write_back(self, index: int, master: torch.Tensor, dst: torch.Tensor) -> None:
