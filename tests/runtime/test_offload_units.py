@@ -214,3 +214,20 @@ def test_early_steps_finish_what_the_step_needs_then_what_the_forward_fetches_fi
     assert len({s2._priority(i) for i in range(5)}) == 1  # the heap keeps index order (gradient order)
     s3.close()
     s2.close()
+
+
+def test_the_worker_steps_an_arrived_gradient_before_waiting_for_a_better_one() -> None:
+    """pick_next: of the buffers whose gradient is on the host, the best priority (then the
+    first queued); none arrived: the first queued (the GPU reduces in queue order), never the
+    best-priority one whose gradient the GPU produces last."""
+    from zerorun.runtime.offload.host_placement import pick_next
+
+    now = (0, 0)
+    queue = [(now, 0, 23), (now, 1, 22), (now, 2, 21)]  # stage 3: reduced last block first
+    assert pick_next(queue, lambda i: False) == (now, 0, 23)
+    assert pick_next(queue, lambda i: i != 23) == (now, 1, 22)  # 22's copy landed first: go
+    assert pick_next(queue, lambda i: True) == (now, 0, 23)  # FIFO among the arrived
+    deferred = [((1, 5), 0, 6), ((1, 3), 1, 4), ((1, 0), 2, 1), (now, 3, 9)]
+    assert pick_next(deferred, lambda i: True) == (now, 3, 9)  # what the step waits for first
+    assert pick_next(deferred, lambda i: i in (6, 4)) == ((1, 3), 1, 4)  # forward order among arrived
+    assert pick_next(deferred, lambda i: False) == ((1, 5), 0, 6)

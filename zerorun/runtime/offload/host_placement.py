@@ -34,7 +34,6 @@ files) through ``_new_master``, ``_state_tensor``, ``_tile_size`` and ``_tile_vi
 
 from __future__ import annotations
 
-import heapq
 import threading
 import time
 import warnings
@@ -54,7 +53,7 @@ from zerorun.runtime.offload.runner import StepRunner
 from zerorun.runtime.offload.twinflow import device_buffers, ready_order
 from zerorun.runtime.sharded_state import ShardPlacement
 
-__all__ = ["HostPlacement", "StepJob", "TileView"]
+__all__ = ["HostPlacement", "StepJob", "TileView", "pick_next"]
 
 Event = Any  # torch.cuda.Event | None
 
@@ -127,11 +126,12 @@ class HostPlacement(ShardPlacement):
         self._launch: StepJob | None = None
         self._early: StepJob | None = None  # a step started during backward (grad_ready)
         self._early_work: list[tuple[int, Any]] = []  # (flat buffer, its worker future)
-        # Early steps pick the next buffer by priority, not in the order they became ready
-        # (_early_next): (priority, index) heap, guarded by _sched; _stepped: buffer -> set once
-        # its CPU update is done (also when it failed: _worker_error).
+        # Early steps: the worker picks the next buffer with pick_next (_early_next) from
+        # _queue, (priority, sequence, index) entries guarded by _sched; _stepped: buffer -> set
+        # once its CPU update is done (also when it failed: _worker_error).
         self._sched = threading.Lock()
-        self._queue: list[tuple[tuple[int, int], int]] = []
+        self._queue: list[tuple[tuple[int, int], int, int]] = []
+        self._seq = 0
         self._stepped: dict[int, threading.Event] = {}
         self._worker_error: BaseException | None = None
         # Stage 3 parameter offload, early step: host write-backs still in flight when step()
@@ -286,7 +286,8 @@ class HostPlacement(ShardPlacement):
         queued, each taking the queued buffer of best priority (_priority)."""
         self._stepped[index] = threading.Event()
         with self._sched:
-            heapq.heappush(self._queue, (self._priority(index), index))
+            self._queue.append((self._priority(index), self._seq, index))
+            self._seq += 1
         future = self.runner.submit(lambda: self._early_next(job), queue=True)
         self._early_work.append((index, future))
 
@@ -313,7 +314,9 @@ class HostPlacement(ShardPlacement):
         """Worker: the early CPU update of the queued buffer of best priority; a deferred
         write-back is issued right after it (the forward may be waiting for it)."""
         with self._sched:
-            _, index = heapq.heappop(self._queue)
+            entry = pick_next(self._queue, self._arrived)
+            self._queue.remove(entry)
+            index = entry[2]
         issued: threading.Event | None = None
         try:
             self._update(job, push=False, indices=[index])
@@ -330,6 +333,10 @@ class HostPlacement(ShardPlacement):
             self._stepped[index].set()
             if issued is not None:
                 issued.set()
+
+    def _arrived(self, index: int) -> bool:
+        """Are buffer ``index``'s gradient tiles on the host (its copies done; no wait)?"""
+        return all(ev is None or ev.query() for ev in self._grad_ev[index])
 
     def _wait_stepped(self, index: int) -> None:
         self._stepped[index].wait()
@@ -645,6 +652,19 @@ class HostPlacement(ShardPlacement):
         )
         if k == len(self.tiles[i]) - 1:
             self._fresh[i] = False
+
+
+def pick_next(
+    queue: Sequence[tuple[tuple[int, int], int, int]], arrived: Callable[[int], bool]
+) -> tuple[tuple[int, int], int, int]:
+    """The worker's next early buffer from ``(priority, sequence, index)`` entries: of those
+    whose gradient is already on the host, the best priority (then the first queued); if none
+    has arrived, the first queued -- its gradient comes first, since the training thread queues
+    the buffers (and their copies) in the order the GPU reduces them, far ahead of the GPU.
+    (Choosing by priority among all queued buffers made the worker wait for the buffer the GPU
+    reduces last: on the H200, stage 3 waited 0.195 s for gradients instead of 0.073 s.)"""
+    ready = [e for e in queue if arrived(e[2])]
+    return min(ready) if ready else min(queue, key=lambda e: e[1])
 
 
 _hinted: set[str] = set()
