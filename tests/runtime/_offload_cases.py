@@ -113,4 +113,5 @@ def resume_cases(world: int) -> list[OCase]:
         OCase(1, "fp32", device="cpu"),
         OCase(2, "bf16", device="cpu", delayed=True),
         OCase(3, "bf16", device="cpu", model="wide", ratio=0.5),  # Twin-Flow: states on both devices
+        OCase(3, "bf16", device="cpu", param="cpu", model="wide"),  # saved with host write-backs in flight
     ]
