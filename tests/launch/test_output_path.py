@@ -1,4 +1,4 @@
-"""The rank-output path: rank pipes -> the local reader (coalescing, 1 MiB pipes) -> the
+"""The rank-output path: rank pipes -> the local reader (coalescing, 256 KiB pipes) -> the
 consoles. Real rank processes for what the reader must never do (reorder, lose, cut lines);
 the rich console's pre-rendered fast path against rich's own rendering of the same lines."""
 
@@ -10,6 +10,7 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
 from _plans import plan_for
 
 from zerorun.launch.console import RichConsole
@@ -60,6 +61,12 @@ def test_rank_lines_keep_their_order_and_nothing_is_lost_at_exit(tmp_path: Path)
 
     runner = LocalRunner(plan, plan.nodes[0], python=sys.executable, environ=env)
     runner.start(sink)
+    import fcntl
+
+    from zerorun.launch import local
+
+    sizes = {s.kind: fcntl.fcntl(s.fd, fcntl.F_GETPIPE_SZ) for s in runner._ranks[0].streams}
+    assert sizes["stdout"] == sizes["stderr"] == local._PIPE_SIZE and sizes["events"] == 1 << 16
     try:
         assert exits.wait(60), "ranks did not exit"
     finally:
@@ -134,7 +141,7 @@ def test_rich_console_prints_what_rich_text_would() -> None:
     assert "\x1b[2mwarning \x1b[31mred" in out.getvalue()
 
 
-def test_rich_console_prints_lines_in_timed_batches_and_keeps_up() -> None:
+def test_rich_console_prints_lines_in_timed_batches_and_keeps_up(monkeypatch: pytest.MonkeyPatch) -> None:
     """Lines wait for the next refresh at most `_PRINT_EVERY_S` after the last print (each print
     redraws the live panel); a note or stop prints them first. Small batches -- what the
     supervisor hands over while ranks print fast -- cost little per line."""
@@ -144,20 +151,22 @@ def test_rich_console_prints_lines_in_timed_batches_and_keeps_up() -> None:
     plan = plan_for(num_gpus=2)
     states = [RankState(spec) for spec in plan.ranks]
     console, out = _rich(plan, states, ranks=frozenset({1}))
-    time.sleep(console_mod._PRINT_EVERY_S)  # (begin's note was a print)
+    monkeypatch.setattr(console_mod, "_PRINT_EVERY_S", 60.0)
+    console._printed_at -= 61  # a quiet spell: the next line goes at the next refresh
     console.output([RankOutput(0, "stdout", "hidden"), RankOutput(1, "stdout", "shown")])
-    console.refresh()  # the first line after a quiet spell goes at once
+    console.refresh()
     assert "hidden" not in out.getvalue() and "shown" in out.getvalue()
     console.output([RankOutput(1, "stdout", "soon")])
     console.refresh()
-    assert "soon" not in out.getvalue()  # printed < _PRINT_EVERY_S ago: waits
-    time.sleep(console_mod._PRINT_EVERY_S)
+    assert "soon" not in out.getvalue()  # printed less than _PRINT_EVERY_S ago: waits
+    console._printed_at -= 61
     console.refresh()
     assert "soon" in out.getvalue()
     console.output([RankOutput(1, "stderr", "before the note")])
     console.note("a note")
     text = out.getvalue()
     assert text.index("before the note") < text.index("a note")
+    monkeypatch.setattr(console_mod, "_PRINT_EVERY_S", 0.025)
     batch = [RankOutput(1, "stdout", f"line {i}") for i in range(20)]
     t0 = time.process_time()
     for _ in range(2000):

@@ -38,8 +38,11 @@ __all__ = ["LocalRunner", "detect_devices", "job_processes", "kill_job_processes
 
 _READ_SIZE = 1 << 16
 # Rank output pipes get this much room (Linux's default is 64 KiB, ~900 lines): a rank keeps
-# printing while the reader sleeps its coalescing pause or the machine is busy.
-_PIPE_SIZE = 1 << 20
+# printing while the reader sleeps its coalescing pause or the machine is busy. Only the first
+# _GROWN_PIPES of a node: pipe capacity counts against the user's pipe-user-pages-soft (64 MiB
+# by default), past which Linux gives an unprivileged user's new pipes one page.
+_PIPE_SIZE = 1 << 18
+_GROWN_PIPES = 32
 # A turn of the reader that read less than this waits _COALESCE_S before the next select: ranks
 # print a line per write() (the shim line-buffers), so a reader that wakes for every write pays
 # a wake-up, a select and a read per line. After the pause one read takes everything written
@@ -92,6 +95,7 @@ class LocalRunner:
         self._wake_r, self._wake_w = os.pipe()
         self._killed = False
         self._flush: Callable[[], None] | None = None
+        self._grown = 0  # pipes given _PIPE_SIZE
 
     # -- NodeRunner -------------------------------------------------------------------------
 
@@ -195,8 +199,8 @@ class LocalRunner:
         ]
         for s in streams:
             os.set_blocking(s.fd, False)
-            if s.kind != "events":
-                _grow_pipe(s.fd)
+            if s.kind != "events" and self._grown < _GROWN_PIPES:
+                self._grown += _grow_pipe(s.fd)
         pidfd = _pidfd_open(proc.pid)
         self._ranks[spec.rank] = _Rank(spec, proc, streams, pidfd)
         self._sink(RankStarted(spec.rank, proc.pid))
@@ -377,13 +381,15 @@ def _reap_adopted(own: set[int]) -> None:
             time.sleep(0.01)
 
 
-def _grow_pipe(fd: int) -> None:
+def _grow_pipe(fd: int) -> int:
+    """1 when the pipe got _PIPE_SIZE (0: not Linux, or over the user's pipe quota)."""
     try:
         import fcntl
 
         fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, _PIPE_SIZE)  # type: ignore[attr-defined]
-    except (ImportError, AttributeError, OSError):  # not Linux, or over the user's pipe quota
-        pass
+    except (ImportError, AttributeError, OSError):
+        return 0
+    return 1
 
 
 def _pidfd_open(pid: int) -> int | None:
