@@ -318,6 +318,26 @@ def test_user_mpirun_inside_an_allocation(cluster, slurm, reference, tmp_path: P
     assert not wait_clean(slurm.nodes, 10)
 
 
+def test_mpi_launcher_inside_an_allocation(cluster, slurm, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """`--launcher mpi` from inside `salloc`: mpirun starts its daemons through srun, so the agents
+    also carry SLURMD_NODENAME; each must still name itself by its MPI rank (the agents were
+    turned away: "0 of 2 dialed in")."""
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("node1 slots=2\nnode2 slots=2\n")
+    env = slurm.env(launcher_env(cluster))
+    proc = subprocess.run(
+        ["salloc", "-N2", "--ntasks-per-node=2", sys.executable, "-m", "zerorun", "--launcher", "mpi", "--hostfile",
+         str(hostfile), "--device", "cpu", str(SCRIPT.with_name("hello.py")), "x"],
+        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=90,
+    )  # fmt: skip
+    out = re.sub(r"\] +", "] ", proc.stdout + proc.stderr)
+    assert proc.returncode == 0, out
+    for rank in range(4):
+        node = f"node{rank // 2 + 1}"
+        assert f"[{node}:{rank}] HELLO rank={rank} node_rank={rank // 2} host={node} argv=['x']" in out, out
+    assert not wait_clean(slurm.nodes, 10)
+
+
 def test_kubernetes_manifests_train_like_ssh(cluster, reference, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """Each manifest of templates/kubernetes/, without a cluster: its pods (names, environment,
     command as the controllers set them: tests/launch/k8s_pods.py) on two fake hosts, each pod's

@@ -339,8 +339,9 @@ def dial(environ: Any = None) -> socket.socket:
     srun or mpirun, which cannot carry a private channel). ZERORUN_AGENT_DIAL is
     `HOST[,HOST...]:PORT` (the launcher's addresses; SLURM_LAUNCH_NODE_IPADDR, the launcher's
     address as Slurm saw it, is tried first), ZERORUN_AGENT_TOKEN the job's secret, sent first
-    in a `dial` {token, node, hostname, pid} message; `node` is the Slurm node name
-    (SLURMD_NODENAME) or the MPI rank, by which the launcher knows which node this is."""
+    in a `dial` {token, node, hostname, pid} message; `node` is the MPI rank (mpirun's agents,
+    also inside a Slurm allocation) or the Slurm node name (SLURMD_NODENAME, srun's agents), by
+    which the launcher knows which node this is."""
     global _DIALED
     env = os.environ if environ is None else environ
     target = env.get("ZERORUN_AGENT_DIAL", "")
@@ -350,8 +351,11 @@ def dial(environ: Any = None) -> socket.socket:
     if not port_text.isdigit():
         raise SystemExit(f"zerorun agent: ZERORUN_AGENT_DIAL={target!r} is not HOST[,HOST...]:PORT")
     hosts = [h for h in [env.get("SLURM_LAUNCH_NODE_IPADDR", ""), *hosts_text.split(",")] if h]
-    node = env.get("SLURMD_NODENAME") or next(
-        (env[v] for v in ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK") if env.get(v)), socket.gethostname()
+    # Open MPI's rank first: mpirun inside a Slurm allocation starts its daemons with srun, so its
+    # agents carry SLURMD_NODENAME too (and srun never sets OMPI_*); an srun with
+    # MpiDefault=pmix/pmi2 sets PMIX_RANK/PMI_RANK, so the Slurm node name comes before those.
+    node = env.get("OMPI_COMM_WORLD_RANK") or env.get("SLURMD_NODENAME") or next(
+        (env[v] for v in ("PMIX_RANK", "PMI_RANK") if env.get(v)), socket.gethostname()
     )
     deadline = time.monotonic() + DIAL_TIMEOUT_S
     errors: dict[str, str] = {}
