@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 
 import mn_fabric as fabric
@@ -45,3 +46,20 @@ def test_cleanup_stale_removes_leftovers_of_dead_runs_only(tmp_path) -> None:  #
             fabric.sh("ip", "link", "del", name, check=False)
         for run_id in ("dead1", "live1"):
             (fabric.STATE_DIR / f"{run_id}.json").unlink(missing_ok=True)
+
+
+def test_fake_hosts_have_their_own_names(cluster) -> None:  # type: ignore[no-untyped-def]
+    """Each fake host says its own host name and resolves every node's name to that node's
+    address (UTS + mount namespaces), as machines of a cluster do; names added later
+    (fabric.add_names, a pod's DNS name) resolve too."""
+    home = cluster.home / ".ssh"
+    ssh = ["ssh", "-F", str(home / "config"), "-o", "BatchMode=yes", "-o", f"UserKnownHostsFile={home / 'known_hosts'}"]
+    fabric.add_names(cluster, {cluster.nodes[1].addr: ["fabric-test-alias.svc"]})
+    for node in cluster.nodes[:2]:
+        out = subprocess.run([*ssh, node.alias, "hostname; getent hosts node1 node2 fabric-test-alias.svc"],
+                             capture_output=True, text=True, timeout=30)  # fmt: skip
+        assert out.returncode == 0, out.stderr
+        lines = [line.split() for line in out.stdout.splitlines()]
+        assert lines[0] == [node.alias], out.stdout
+        assert [ln[0] for ln in lines[1:]] == [cluster.nodes[0].addr, cluster.nodes[1].addr, cluster.nodes[1].addr]
+    assert socket.gethostname() not in {n.alias for n in cluster.nodes}  # the root namespace keeps its own
