@@ -41,7 +41,9 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _load(path: Path) -> dict:
-    return torch.load(path, map_location="cpu", weights_only=False)
+    from zerorun.runtime.checkpoint.deepspeed_layout import load_file
+
+    return load_file(path)  # DeepSpeed's loss-scaler object inside, DeepSpeed not installed here
 
 
 def _rebuild(tag_dir: Path) -> dict[str, torch.Tensor]:
@@ -193,6 +195,28 @@ def test_optimizer_states_round_trip(saved: Path, case: str) -> None:
         assert all(n.endswith("bias") for n in got.groups[1]) and not any(n.endswith("bias") for n in got.groups[0])
 
 
+def test_stage3_module_holds_deepspeeds_placeholders(saved: Path) -> None:
+    # DeepSpeed's stage-3 load matches `module` key for key (strict): every parameter, as the
+    # empty tensor its partitioned parameters hold, in the compute dtype; the buffers whole.
+    model = _load(saved / "s3-fp16" / "global_step3" / "zero_pp_rank_1_mp_rank_00_model_states.pt")
+    want = get_fp32_state_dict(saved / "s3-fp16")
+    assert sorted(model["module"]) == sorted(want)  # tied alias and frozen parameter included
+    for name, value in model["module"].items():
+        if name in model["buffer_names"]:
+            assert torch.equal(value.float(), want[name].float()), name
+        else:
+            assert value.numel() == 0 and value.dtype == torch.float16, name
+
+
+@pytest.mark.parametrize("case", ["s2-fp32-2g", "s3-bf16-2g"])
+def test_each_group_is_flattened_in_the_order_the_script_gave(saved: Path, case: str) -> None:
+    # DeepSpeed places a group's partitions by position, in the order of the group's parameter
+    # list (here: named_parameters order); zerorun's own buffers hold them in gradient order.
+    model = _load(next((saved / case / "global_step3").glob("*model_states.pt")))
+    assert [list(g) for g in model["param_shapes"]] == [
+        ["emb.weight", "body.0.weight", "body.2.weight"], ["frozen.bias", "body.0.bias", "body.2.bias"]]
+
+
 def test_optimizer_file_keys_are_deepspeeds(saved: Path) -> None:
     s12 = _load(saved / "s2-fp32-2g" / "global_step3" / "zero_pp_rank_1_mp_rank_00_optim_states.pt")["optimizer_state_dict"]
     assert {"base_optimizer_state", "single_partition_of_fp32_groups", "group_paddings", "partition_count",
@@ -205,6 +229,15 @@ def test_optimizer_file_keys_are_deepspeeds(saved: Path) -> None:
         assert padded % 2 == 0 and base["param_groups"][g]["params"] == [g]
     s3 = _load(saved / "s3-bf16-2g" / "global_step3" / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt")["optimizer_state_dict"]
     assert {"fp32_flat_groups", "optimizer_state_dict", "partition_count", "zero_stage", "loss_scaler"} <= set(s3)
+    # DeepSpeed's own scaler classes (its loader calls them), with zerorun's scaler state.
+    scaler = s3["loss_scaler"]
+    assert scaler.path == "deepspeed.runtime.fp16.loss_scaler.LossScaler" and scaler.attributes == {"cur_scale": 1.0, "dynamic": False}
+    fp16 = _load(saved / "s3-fp16" / "global_step3" / "zero_pp_rank_0_mp_rank_00_optim_states.pt")["optimizer_state_dict"]
+    dyn = fp16["loss_scaler"]
+    assert dyn.path == "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler" and fp16["dynamic_loss_scale"] is True
+    ours = torch.load(saved / "s3-fp16" / "global_step3" / "engine_state.pt", weights_only=False)["loss_scaler"]
+    assert (dyn.attributes["cur_scale"], dyn.attributes["cur_iter"]) == (ours["scale"], ours["cur_iter"]) == (16.0, 3)
+    assert dyn.attributes["dtype"] == torch.float16 and dyn.attributes["scale_window"] == 1000
     assert s3["partition_count"] == 2 and len(s3["fp32_flat_groups"]) == 2
     assert [t.numel() for t in s3["fp32_flat_groups"]] == [
         s3["optimizer_state_dict"]["state"][g]["exp_avg"].numel() for g in (0, 1)

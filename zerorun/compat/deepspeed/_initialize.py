@@ -117,6 +117,25 @@ def info_line(settings: RuntimeSettings) -> str:
     )
 
 
+def _param_order(model: nn.Module | None, optimizer: Any, model_parameters: Any) -> list[str] | None:
+    """The names of the parameters in the order the script handed them over (a torch optimizer's
+    param groups, or model_parameters as a list of parameters or of group dicts), for the
+    DeepSpeed-layout checkpoint files; None when not given as such (an iterator is not read
+    twice): the module's order then."""
+    if model is None:
+        return None
+    if isinstance(optimizer, torch.optim.Optimizer):
+        source: Any = optimizer.param_groups
+    elif isinstance(model_parameters, (list, tuple)):
+        source = model_parameters
+    else:
+        return None
+    groups = [g["params"] for g in source] if source and isinstance(source[0], dict) else [source]
+    name_of = {id(p): n for n, p in model.named_parameters()}
+    return [name_of[id(p)] for group in groups for p in (group if isinstance(group, (list, tuple)) else [group])
+            if id(p) in name_of]
+
+
 def _log_info(engine: Any) -> None:
     from zerorun.compat.deepspeed.utils import log_dist
 
@@ -172,6 +191,7 @@ def initialize(
         collate_fn=collate_fn,
         config=runtime_cfg,
     )
-    ds_engine = DeepSpeedEngine(engine, cfg, training_dataloader=loader, evaluation_only=evaluation_only)
+    ds_engine = DeepSpeedEngine(engine, cfg, training_dataloader=loader, evaluation_only=evaluation_only,
+                                param_order=_param_order(model, optimizer, model_parameters))
     _log_info(engine)
     return ds_engine, (None if evaluation_only else opt), loader, sched

@@ -15,8 +15,8 @@ naming a half-written DeepSpeed layout::
 What they hold (DeepSpeed's keys, what ``zero_to_fp32.py``, DeepSpeed's loader and scripts read):
 
 * model states: ``module`` (stages 0-2: the model's ``state_dict()`` in the compute dtype, as
-  DeepSpeed's engine saves it; stage 3: the buffers only, DeepSpeed's partitioned parameters
-  being empty placeholders there), ``buffer_names``, ``param_shapes`` (one ordered dict per
+  DeepSpeed's engine saves it; stage 3: the buffers, and every parameter as the empty
+  placeholder DeepSpeed's partitioned parameters hold, which its loader matches by key), ``buffer_names``, ``param_shapes`` (one ordered dict per
   optimizer param group: its trainable parameters in order), ``shared_params`` (tied aliases),
   ``frozen_param_shapes`` / ``frozen_param_fragments`` (frozen parameters in fp32: whole at
   stages 0-2, this rank's ``ceil(numel / world)`` slice at stage 3 -- DeepSpeed writes them only
@@ -36,18 +36,24 @@ What they hold (DeepSpeed's keys, what ``zero_to_fp32.py``, DeepSpeed's loader a
   - stage 3 (``DeepSpeedZeroOptimizer_Stage3.state_dict()``): ``fp32_flat_groups`` = per group,
     this rank's ``ceil(numel / world)`` slice of each parameter, zero-padded, concatenated;
     ``optimizer_state_dict`` = the torch optimizer's state over those flat groups (same keys);
-    ``partition_count``, ``zero_stage``, ``loss_scaler``, ``dynamic_loss_scale``, ``overflow``.
+    ``partition_count``, ``zero_stage``, ``dynamic_loss_scale``, ``overflow``;
+  - both: ``loss_scaler``, DeepSpeed's own scaler object (``LossScaler`` /
+    ``DynamicLossScaler`` with zerorun's scale, iteration and hysteresis state), written by class
+    path (`DeepSpeedObject`) so that DeepSpeed need not be installed; its ZeRO-3 loader requires it.
 
-`read_optim_states` reads these files back into whole per-parameter tensors (DeepSpeed's own
-checkpoints too, where they follow this layout).
+Each group's parameters are in the order the script gave them to the optimizer (DeepSpeed
+places partitions by position); the stage-3 ``module`` holds every parameter as the empty
+placeholder DeepSpeed's partitioned parameters hold. With that, real DeepSpeed's
+``load_checkpoint`` resumes from these files and continues exactly as zerorun does
+(scripts/deepspeed_resume_check.py). `read_optim_states` reads them back into whole
+per-parameter tensors (DeepSpeed's own checkpoints too, where they follow this layout).
 
 Every value is read from zerorun's own shards (``CheckpointReader``), so the fp32 weights are
 exactly what zerorun's consolidation gives and the moments exactly zerorun's. Not written, being
-DeepSpeed objects or bookkeeping that only its live engine has: the loss scaler object
-(``loss_scaler`` is None at stage 3, absent at stages 1-2: DeepSpeed keeps its own),
-``param_slice_mappings`` (universal checkpoints), the lr scheduler; DeepSpeed's stage-3
-sub-groups are one per param group (its default ``sub_group_size`` of 1e9 elements splits
-larger groups). Resuming in zerorun, at any world size, uses zerorun's files. Cost: the fp32
+bookkeeping that only DeepSpeed's live engine has: ``param_slice_mappings`` (universal
+checkpoints), the lr scheduler; DeepSpeed's stage-3 sub-groups are one per param group (its
+default ``sub_group_size`` of 1e9 elements splits larger groups). Resuming in zerorun, at any
+world size, uses zerorun's files. Cost: the fp32
 weights and each optimizer state once more (4 bytes per parameter per state over all ranks), plus
 the 16-bit model in rank 0's model states at stages 0-2. Each file is written under a temporary
 name and renamed.
@@ -57,8 +63,10 @@ from __future__ import annotations
 
 import math
 import os
+import pickle
 import shutil
 import stat
+import types
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -78,7 +86,10 @@ __all__ = [
     "model_states_file",
     "write_rank_files",
     "copy_recovery_script",
+    "DeepSpeedObject",
     "DeepSpeedOptimStates",
+    "load_file",
+    "loss_scaler_object",
     "read_optim_states",
 ]
 
@@ -95,13 +106,97 @@ def model_states_file(rank: int, stage: int) -> str:
     return f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt" if stage == 3 else "mp_rank_00_model_states.pt"
 
 
+@dataclass
+class DeepSpeedObject:
+    """An object of one of DeepSpeed's classes, by its import path, with its attributes: written as
+    that class (DeepSpeed's loader gets its own object back, e.g. the loss scaler its ZeRO-3
+    optimizer reads), without DeepSpeed being installed; read back as this where it is not."""
+
+    path: str  # e.g. "deepspeed.runtime.fp16.loss_scaler.LossScaler"
+    attributes: dict[str, object]
+
+
+class _Pickler(pickle._Pickler):  # the Python pickler: it lets a class be named without importing it
+    def save(self, obj: object, save_persistent_id: bool = True) -> None:
+        if isinstance(obj, DeepSpeedObject):  # what pickling an instance of that class writes
+            module, _, name = obj.path.rpartition(".")
+            self.write(pickle.GLOBAL + f"{module}\n{name}\n".encode())  # type: ignore[attr-defined]
+            self.save(())
+            self.write(pickle.NEWOBJ)  # type: ignore[attr-defined]
+            self.save(obj.attributes)
+            self.write(pickle.BUILD)  # type: ignore[attr-defined]
+            return
+        super().save(obj, save_persistent_id)  # type: ignore[misc]
+
+
+class _Unpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> object:
+        try:
+            return super().find_class(module, name)
+        except (ImportError, AttributeError):
+            if module.split(".")[0] != "deepspeed":
+                raise
+            return _standin_class(f"{module}.{name}")
+
+
+def _standin_class(path: str) -> type:
+    """Where DeepSpeed is not installed, its objects load as DeepSpeedObject(path, attributes)."""
+
+    class Standin(DeepSpeedObject):
+        def __new__(cls) -> Standin:  # what unpickling calls (NEWOBJ), then __setstate__ (BUILD)
+            obj = object.__new__(cls)
+            obj.path, obj.attributes = path, {}
+            return obj
+
+        def __setstate__(self, state: dict[str, object]) -> None:
+            self.attributes.update(state)
+
+    return Standin
+
+
+_PICKLE = types.ModuleType("zerorun_deepspeed_pickle")
+_PICKLE.Pickler = _Pickler  # type: ignore[attr-defined]
+_PICKLE.Unpickler = _Unpickler  # type: ignore[attr-defined]
+_PICKLE.load = pickle.load  # type: ignore[attr-defined]
+
+
 def _save(obj: object, path: Path) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     with open(tmp, "wb") as f:
-        torch.save(obj, f)
+        torch.save(obj, f, pickle_module=_PICKLE)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def load_file(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """One DeepSpeed-layout file (``torch.load``; DeepSpeed's objects in it as `DeepSpeedObject`
+    where DeepSpeed is not installed)."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False, pickle_module=_PICKLE)
+    except (OSError, RuntimeError, EOFError, ValueError, pickle.UnpicklingError) as err:
+        raise CheckpointError(f"{path}: cannot read ({err})") from err
+
+
+def loss_scaler_object(
+    scale: float, *, dynamic: bool, state: dict[str, float | int | bool] | None = None
+) -> DeepSpeedObject:
+    """DeepSpeed's loss scaler with zerorun's scaler state: ``LossScaler`` (static: bf16, fp32,
+    fp16 with a fixed ``loss_scale``) or ``DynamicLossScaler`` (fp16) with its attributes --
+    ``state``: cur_iter, last_overflow_iter, window, min_scale, hysteresis, cur_hysteresis,
+    consecutive_hysteresis, raise_error_at_min_scale."""
+    base = "deepspeed.runtime.fp16.loss_scaler."
+    if not dynamic:
+        return DeepSpeedObject(base + "LossScaler", {"cur_scale": float(scale), "dynamic": False})
+    st = state or {}
+    return DeepSpeedObject(base + "DynamicLossScaler", {
+        "cur_scale": float(scale), "dynamic": True, "cur_iter": int(st.get("cur_iter", 0)),
+        "last_overflow_iter": int(st.get("last_overflow_iter", -1)), "scale_factor": 2.0,
+        "scale_window": int(st.get("window", 1000)), "min_scale": float(st.get("min_scale", 1.0)),
+        "delayed_shift": int(st.get("hysteresis", 2)), "cur_hysteresis": int(st.get("cur_hysteresis", 2)),
+        "consecutive_hysteresis": bool(st.get("consecutive_hysteresis", False)),
+        "raise_error_at_min_scale": bool(st.get("raise_error_at_min_scale", True)), "dtype": torch.float16,
+    })
 
 
 def _flat_range(reader: CheckpointReader, kind: str, names: list[str], lo: int, hi: int) -> torch.Tensor:
@@ -164,12 +259,16 @@ def _hyper(meta: CheckpointMeta, group: int) -> dict[str, object]:
 
 
 def _optim_file_contents(
-    reader: CheckpointReader, meta: CheckpointMeta, groups: list[list[str]], rank: int, ds_config: dict[str, object]
+    reader: CheckpointReader,
+    meta: CheckpointMeta,
+    groups: list[list[str]],
+    rank: int,
+    ds_config: dict[str, object],
+    scaler: DeepSpeedObject,
 ) -> dict[str, object]:
     world, stage = meta.world_size, meta.stage
     keys = sorted(k[len(OPTIM_PREFIX) :] for k in reader.kinds() if k.startswith(OPTIM_PREFIX))
-    fp16_cfg = ds_config.get("fp16")
-    dynamic = meta.precision == "fp16" and not (isinstance(fp16_cfg, dict) and fp16_cfg.get("loss_scale"))
+    dynamic = bool(scaler.attributes.get("dynamic"))
     state: dict[int, dict[str, object]] = {}
     param_groups: list[dict[str, object]] = []
     fp32_groups: list[torch.Tensor] = []
@@ -189,9 +288,9 @@ def _optim_file_contents(
         state[g] = {**_scalars(meta, g), **tensors} if tensors else {}
         param_groups.append({**_hyper(meta, g), "params": [g]})
     base = {"state": {g: s for g, s in state.items() if s}, "param_groups": param_groups}
-    common = {"dynamic_loss_scale": dynamic, "overflow": False, "zero_stage": stage}
+    common = {"loss_scaler": scaler, "dynamic_loss_scale": dynamic, "overflow": False, "zero_stage": stage}
     if stage == 3:
-        return {**common, "loss_scaler": None, "partition_count": world, "optimizer_state_dict": base,
+        return {**common, "partition_count": world, "optimizer_state_dict": base,
                 "fp32_flat_groups": fp32_groups}
     clip = ds_config.get("gradient_clipping", 0.0)
     return {**common, "clip_grad": float(clip) if isinstance(clip, (int, float)) else 0.0,
@@ -205,12 +304,14 @@ def write_rank_files(
     *,
     ds_config: dict[str, Any] | None = None,
     groups: list[list[str]] | None = None,
+    loss_scaler: DeepSpeedObject | None = None,
 ) -> list[Path]:
     """Write rank ``rank``'s DeepSpeed files into ``tag_dir`` (a zerorun checkpoint of any world
     size whose files are all written -- the temporary directory of a save before its commit, or
     a committed tag; ``rank`` < its world size). Not collective: every rank calls it once.
     ``groups``: the trainable parameters' names per optimizer param group, in order (default:
-    one group of every trainable parameter). Returns the files written."""
+    one group of every trainable parameter). ``loss_scaler``: DeepSpeed's scaler object for the
+    optimizer files (`loss_scaler_object`; default: the static scale 1). Returns the files written."""
     tag_dir = Path(tag_dir)
     written: list[Path] = []
     with CheckpointReader(tag_dir) as reader:
@@ -248,7 +349,17 @@ def write_rank_files(
             "zerorun_checkpoint": "the zerorun files in this directory hold the full resume state",
         }
         if stage == 3:
-            states["module"] = buffers
+            # DeepSpeed's partitioned parameters hold empty placeholders (their state_dict()),
+            # which its loader matches key for key before filling them from the optimizer files.
+            module3: OrderedDict[str, torch.Tensor] = OrderedDict(
+                (p.name, torch.empty(0, dtype=compute if dtype_from_name(p.dtype).is_floating_point else dtype_from_name(p.dtype)))
+                for p in meta.params
+            )
+            for alias, canonical in meta.tied.items():
+                if canonical in module3:
+                    module3[alias] = module3[canonical]
+            module3.update(buffers)
+            states["module"] = module3
             if frozen:
                 pieces = _stage3_slices(reader, [p.name for p in frozen], rank, world)
                 states["frozen_param_fragments"] = OrderedDict(
@@ -277,7 +388,9 @@ def write_rank_files(
             written.append(path)
         if stage >= 1 and trainable:
             optim = {
-                "optimizer_state_dict": _optim_file_contents(reader, meta, groups, rank, ds_config or {}),
+                "optimizer_state_dict": _optim_file_contents(
+                    reader, meta, groups, rank, ds_config or {}, loss_scaler or loss_scaler_object(1.0, dynamic=False)
+                ),
                 "ds_config": ds_config,
                 "ds_version": DS_VERSION,
             }
@@ -314,13 +427,6 @@ def _rank_of(path: Path) -> int:
     return int(path.name.split("zero_pp_rank_")[1].split("_")[0])
 
 
-def _load(path: Path) -> dict[str, Any]:
-    try:
-        return torch.load(path, map_location="cpu", weights_only=False)
-    except (OSError, RuntimeError, EOFError, ValueError) as err:
-        raise CheckpointError(f"{path}: cannot read ({err})") from err
-
-
 def read_optim_states(tag_dir: str | os.PathLike[str]) -> DeepSpeedOptimStates:
     """The fp32 master weights and elementwise optimizer states of a DeepSpeed-layout tag
     directory (stages 1-3; the files above), reassembled into whole tensors in each parameter's
@@ -330,11 +436,11 @@ def read_optim_states(tag_dir: str | os.PathLike[str]) -> DeepSpeedOptimStates:
     model_paths = sorted(tag_dir.glob("*_model_states.pt"))
     if not optim_paths or not model_paths:
         raise CheckpointError(f"{tag_dir}: no DeepSpeed optimizer and model state files (stages 1-3 write them)")
-    sds = [_load(p)["optimizer_state_dict"] for p in optim_paths]
+    sds = [load_file(p)["optimizer_state_dict"] for p in optim_paths]
     world, stage = len(sds), int(sds[0]["zero_stage"])
     if [_rank_of(p) for p in optim_paths] != list(range(world)):
         raise CheckpointError(f"{tag_dir}: optimizer state files of ranks {[_rank_of(p) for p in optim_paths]}")
-    shapes: list[dict[str, torch.Size]] = _load(model_paths[0])["param_shapes"]
+    shapes: list[dict[str, torch.Size]] = load_file(model_paths[0])["param_shapes"]
     if stage == 3:
         base = [sd["optimizer_state_dict"] for sd in sds]
         flats = [sd["fp32_flat_groups"] for sd in sds]

@@ -37,13 +37,25 @@ class DeepSpeedEngine(nn.Module):
     """DeepSpeed's engine over a zerorun ``Engine`` (``.zerorun_engine``)."""
 
     def __init__(
-        self, engine: Any, config: dict[str, Any], *, training_dataloader: Any = None, evaluation_only: bool = False
+        self,
+        engine: Any,
+        config: dict[str, Any],
+        *,
+        training_dataloader: Any = None,
+        evaluation_only: bool = False,
+        param_order: list[str] | None = None,
     ) -> None:
+        """``param_order``: the parameters' names in the order the script gave them to the
+        optimizer (its param groups one after another), the order DeepSpeed flattens a group in;
+        default: the module's registration order."""
         super().__init__()
         self.module = engine.module
         # Not a submodule attribute: the inner engine is no nn.Module and owns no parameters.
         self.__dict__["_engine"] = engine
         self.__dict__["_config"] = config
+        registered = [n for n, _ in engine.module.named_parameters()]
+        given = [n for n in (param_order or []) if n in set(registered)]
+        self._param_order = {n: i for i, n in enumerate([*given, *(n for n in registered if n not in set(given))])}
         self.training_dataloader = training_dataloader
         self._evaluation_only = evaluation_only
         self._window = 0  # micro-batches backpropagated in the current accumulation window
@@ -298,16 +310,27 @@ class DeepSpeedEngine(nn.Module):
         )
 
     def _param_group_names(self) -> list[list[str]]:
-        """The trainable parameters' names per optimizer param group, in the engine's order."""
+        """The trainable parameters' names per optimizer param group, each group in the order
+        DeepSpeed flattens it (the order the script gave; zerorun's buffers hold them in
+        gradient order): DeepSpeed's loader places partitions by position."""
         groups: dict[int, list[str]] = {}
         for layout in self._engine.stage.state.layouts:
             groups.setdefault(layout.group, []).extend(slot.name for slot in layout.slots)
-        return [groups.get(g, []) for g in range(len(self._engine.optimizer.param_groups))]
+        last = len(self._param_order)
+        return [sorted(groups.get(g, []), key=lambda n: self._param_order.get(n, last))
+                for g in range(len(self._engine.optimizer.param_groups))]
 
     def _write_deepspeed_layout(self, tmp_tag_dir: Path, rank: int) -> None:
         from zerorun.runtime.checkpoint import deepspeed_layout
 
-        deepspeed_layout.write_rank_files(tmp_tag_dir, rank, ds_config=self._config, groups=self._param_group_names())
+        scaler = self._engine.loss_scaler  # DeepSpeed's scaler object for its loader, from zerorun's
+        ds_scaler = deepspeed_layout.loss_scaler_object(scaler.scale, dynamic=scaler.dynamic, state={
+            **scaler.state_dict(), "window": scaler.window, "min_scale": scaler.min_scale, "hysteresis": scaler.hysteresis,
+            "consecutive_hysteresis": scaler.consecutive_hysteresis, "raise_error_at_min_scale": scaler.raise_error_at_min_scale,
+        })
+        deepspeed_layout.write_rank_files(
+            tmp_tag_dir, rank, ds_config=self._config, groups=self._param_group_names(), loss_scaler=ds_scaler
+        )
         if rank == 0:
             deepspeed_layout.copy_recovery_script(tmp_tag_dir.parent)
 

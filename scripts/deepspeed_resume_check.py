@@ -1,0 +1,118 @@
+"""Acceptance check: real DeepSpeed resumes from the DeepSpeed-layout files zerorun writes under
+--deepspeed-compat -- weights AND optimizer states -- and continues exactly as zerorun does.
+
+    .venv/bin/python scripts/deepspeed_resume_check.py --ds-env /tmp/ds-env \\
+        --out benchmarks/results/deepspeed_resume_check.json
+
+``--ds-env DIR``: the CPU-only DeepSpeed environment of scripts/deepspeed_layout_check.py (created
+the same way when missing; minutes, which is why this is a script with a committed result and not
+a CI test). Per case (scripts/deepspeed_resume_worker.py: an MLP with two optimizer param groups,
+AdamW): 2 CPU ranks train 3 steps under zerorun's layer, save, and take step 4; then 2 real
+DeepSpeed ranks (gloo) build the same engine, ``load_checkpoint`` the zerorun save and take the
+same step 4 -- once with the optimizer states (``resume``), once without (``fresh``, the control:
+Adam restarting from zero moments). Pass: ``resume`` gives zerorun's step-4 weights (max abs
+difference 0 in fp32, within one bf16 rounding in bf16) while ``fresh`` does not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT))
+
+from deepspeed_layout_check import make_ds_env  # noqa: E402
+
+CASES = ["s1-fp32", "s2-fp32", "s3-fp32", "s2-bf16", "s3-bf16"]
+WORKER = "scripts/deepspeed_resume_worker.py"
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ZERORUN_", "ACCELERATE_"))}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "PYTHONPATH"):
+        env.pop(name, None)
+    env.update(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", **extra)
+    return env
+
+
+def deepspeed_ranks(ds_python: Path, out: Path, case: str, mode: str, port: int) -> list[str]:
+    """Two real DeepSpeed ranks on CPU (gloo); their errors, if any."""
+    procs = [
+        subprocess.Popen(
+            [str(ds_python), WORKER, str(out), case, mode], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True, env=_env(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                                MASTER_PORT=str(port), DS_ACCELERATOR="cpu"),
+        )
+        for r in (0, 1)
+    ]
+    errors = []
+    for r, proc in enumerate(procs):
+        text, _ = proc.communicate(timeout=300)
+        if proc.returncode != 0:
+            errors.append(f"rank {r}: exit {proc.returncode}: {text[-1500:]}")
+    return errors
+
+
+def max_diff(a: Path, b: Path) -> float:
+    import torch
+
+    x, y = torch.load(a), torch.load(b)
+    assert sorted(x) == sorted(y)
+    return max((x[k] - y[k]).abs().max().item() for k in x)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ds-env", type=Path, required=True)
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/deepspeed_resume_check.json")
+    args = parser.parse_args()
+    ds_python = make_ds_env(args.ds_env)
+    ds_version = subprocess.run(
+        [str(ds_python), "-c", "import importlib.metadata as m; print(m.version('deepspeed'))"],
+        capture_output=True, text=True, check=True,
+    ).stdout.strip()
+    results: dict = {"deepspeed_version": ds_version, "cases": {}}
+    with tempfile.TemporaryDirectory(prefix="zerorun-dsresume-") as tmp:
+        work = Path(tmp)
+        for i, case in enumerate(CASES):
+            t0 = time.monotonic()
+            entry: dict = {}
+            saved = subprocess.run(
+                [sys.executable, "-m", "zerorun", "--deepspeed-compat", "--num_gpus", "2", "--device", "cpu",
+                 WORKER, str(work), case, "save"],
+                cwd=ROOT, env=_env(PYTHONPATH=str(ROOT)), capture_output=True, text=True,
+            )
+            if saved.returncode != 0:
+                entry["error"] = f"zerorun save: {saved.stderr[-2000:]}"
+            else:
+                entry["files"] = sorted(p.name for p in (work / case / "global_step3").glob("*_states.pt"))
+                for mode in ("resume", "fresh"):
+                    errors = deepspeed_ranks(ds_python, work, case, mode, 29700 + 2 * i + (mode == "fresh"))
+                    if errors:
+                        entry["error"] = f"deepspeed {mode}: " + " | ".join(errors)
+                        break
+                    entry[f"{mode}_max_abs_diff_to_zerorun"] = max_diff(work / f"{case}-save.pt", work / f"{case}-{mode}.pt")
+            tolerance = 0.0 if case.endswith("fp32") else 1e-2  # bf16: one rounding of the 16-bit weights
+            entry["resumes_exactly"] = (
+                "error" not in entry
+                and entry["resume_max_abs_diff_to_zerorun"] <= tolerance < entry["fresh_max_abs_diff_to_zerorun"]
+            )
+            entry["seconds"] = round(time.monotonic() - t0, 1)
+            results["cases"][case] = entry
+            print(case, {k: v for k, v in entry.items() if k != "files"}, flush=True)
+    results["all_resume"] = all(c["resumes_exactly"] for c in results["cases"].values())
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=2) + "\n")
+    return 0 if results["all_resume"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
