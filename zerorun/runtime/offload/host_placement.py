@@ -416,12 +416,6 @@ class HostPlacement(ShardPlacement):
         self._ready = self.copier.ready()  # parameters may be written once the backward is done
         later = [i for i in self._host if self._deferrable(i)]
         deferred = set(later)
-        for i in sorted((i for i in self._host if i not in deferred), key=self._priority):
-            self._wait_stepped(i)
-            target = self._targets.get(i)
-            if target is not None and self._fresh[i]:
-                self._push(i, target)
-        self._early_work = []
         if later:
             self._deferred_after = self._ready
             with self._sched:
@@ -431,7 +425,15 @@ class HostPlacement(ShardPlacement):
                 self._push(i, self._targets[i], after=self._deferred_after, deferred=True)
                 self._deferred[i].set()
             self.param_store.before_read = self.settle  # type: ignore[union-attr]
-        else:
+        # In the order they were queued, which is about the order the worker finishes them
+        # (pick_next), so each is copied up while the CPU steps later ones.
+        for i in [i for i, _ in self._early_work if i not in deferred]:
+            self._wait_stepped(i)
+            target = self._targets.get(i)
+            if target is not None and self._fresh[i]:
+                self._push(i, target)
+        self._early_work = []
+        if not later:
             self.runner.join()
 
     def settle(self, index: int) -> None:
