@@ -12,7 +12,9 @@ import copy
 import json
 import math
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _models  # noqa: E402
 
 import zerorun  # noqa: E402
+from zerorun.runtime.offload.host import Copier  # noqa: E402
 
 VOCAB, LR, WD, B1, B2, EPS = 64, 2e-2, 0.01, 0.9, 0.999, 1e-8
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -32,7 +35,32 @@ CASES: dict[str, tuple[int, str, float, int, int, tuple[float, int, int, int]]] 
     "z1-fp32-reselect": (1, "fp32", 0.0, 1, 8, (0.25, 3, 2, 1)),
     "z2-bf16-clip": (2, "bf16", 0.05, 1, 8, (0.3, 4, 2, 0)),
     "z3-fp32-once-ga2": (3, "fp32", 0.0, 2, 6, (0.2, 0, 3, 2)),
+    # the placement's copies run as early as a copy stream may run them (EarliestCopies)
+    "z2-fp32-early-copies": (2, "fp32", 0.0, 1, 8, (0.25, 3, 2, 1)),
 }
+
+
+class EarliestCopies(Copier):
+    """A CPU stand-in for CUDA's copy stream at its most eager: a copy ordered after a `ready`
+    event reads its source as it was when that event was recorded, not when the copy was
+    queued. Kernels queued on the training stream between the two (e.g. dividing the interval's
+    gradient sum into its mean) are then missed, as on a GPU where the copy starts at once -- a
+    race the CPU's synchronous copies hide. Watches the tensors `watched()` returns."""
+
+    def __init__(self, device: torch.device, watched: Callable[[], list[torch.Tensor | None]]) -> None:
+        super().__init__(device)
+        self.watched = watched
+
+    def ready(self) -> Any:
+        return [(t.data_ptr(), t.numel() * t.element_size(), t.clone()) for t in self.watched() if t is not None]
+
+    def to_host(self, dst: torch.Tensor, src: torch.Tensor, after: Any) -> Any:
+        for base, nbytes, snap in after or []:
+            if base <= src.data_ptr() < base + nbytes:
+                start = (src.data_ptr() - base) // src.element_size()
+                src = snap.reshape(-1)[start : start + src.numel()].view(src.shape)
+                break
+        return super().to_host(dst, src, None)
 
 
 class Net(nn.Module):
@@ -235,6 +263,8 @@ def run(name: str) -> dict:
     global DEVICE
     DEVICE = engine.device
     placement = engine.stage.state.placement
+    if name.endswith("early-copies"):
+        placement.copier = EarliestCopies(engine.device, lambda: list(placement._acc))
     rank, world = engine.comm.rank, engine.comm.world_size
     ranges: dict[str, list[tuple[int, int]]] = {}
     for layout in engine.stage.state.layouts:
