@@ -16,7 +16,7 @@
 #                own torch, numpy, pyarrow, pandas, typer, rich and pyyaml are used
 #   .peer-suites/  a copy of ../shared/peer-suites (the unmodified suites; not in the repo)
 #
-# On the lead's machine:   bash scripts/peer_suites/wheels.sh && rm -rf .peer-suites && cp -r ../shared/peer-suites .peer-suites
+# On the lead's machine:   bash scripts/peer_suites/wheels.sh     (the wheels, and the suites copied into .peer-suites)
 # On the GPU (one call):   carry [.whl-peer, .peer-suites], command: bash scripts/peer_suites/gpu.sh
 # Dry run on a CPU here:   DEVICE=cpu PYTHON=/path/to/a/bare/python3 OUT=/tmp/o bash scripts/peer_suites/gpu.sh
 set -uo pipefail

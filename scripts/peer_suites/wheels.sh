@@ -2,6 +2,8 @@
 # Download into .whl-peer/ (git-ignored through .git/info/exclude) every wheel the peer suites need on
 # the GPU machine beyond what its image has (torch, numpy, pyarrow, pandas, typer, rich, pyyaml): for
 # its python3 (CPython 3.12, x86-64 Linux), the versions this repo's CPU runs use. gpu.sh installs them.
+# Also copies the suites (ZERORUN_PEER_SUITES, default ../shared/peer-suites) into .peer-suites/
+# (git-ignored too), which gpu.sh reads: the GPU machine does not get ../shared.
 #   bash scripts/peer_suites/wheels.sh [PIP]        (PIP default: .venv/bin/pip; needs the package index)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -32,3 +34,10 @@ mkdir -p "$DEST"
 count=$(ls "$DEST"/*.whl | wc -l)
 [[ "$count" -eq "${#PACKAGES[@]}" ]] || { echo "wheels.sh: $count wheels in $DEST for ${#PACKAGES[@]} packages"; exit 1; }
 echo "$count wheels in $DEST ($(du -sh "$DEST" | cut -f1))"
+SRC="${ZERORUN_PEER_SUITES:-../shared/peer-suites}"
+if [[ -d "$SRC/transformers" && -d "$SRC/accelerate" ]]; then
+  rm -rf .peer-suites && cp -r "$SRC" .peer-suites && chmod -R u+w .peer-suites
+  echo "suites copied from $SRC into .peer-suites ($(du -sh .peer-suites | cut -f1))"
+else
+  echo "wheels.sh: no suites at $SRC (set ZERORUN_PEER_SUITES); .peer-suites not updated"
+fi
