@@ -2,6 +2,7 @@
 
     .venv/bin/python -m benchmarks.launch_overhead output  [--repeats 7] [--ranks 4] [--lines 100000]
     .venv/bin/python -m benchmarks.launch_overhead startup [--repeats 3] [--sizes 1,2,4,8]
+    .venv/bin/python -m benchmarks.launch_overhead report      (the output section as a markdown table)
 
 Each command rewrites its own section of `benchmarks/results/launch_overhead.json` (with the
 date, the machine and its load) and keeps the other section.
@@ -253,6 +254,7 @@ def output(repeats: int, nproc: int, lines: int, modes: tuple[str, ...]) -> dict
             "rank_write_cpu_s_slowest": _spread([max(r["write_cpu_s"]) for r in rows]),
             "job_wall_s": _spread([r["job_wall_s"] for r in rows]),
             "launcher_cpu_s": _spread([r["launcher_cpu_s"] for r in rows]),
+            # Start-up included (torchrun's torch import, ~1.5 s of it here): not a per-line cost.
             "launcher_cpu_us_per_line": round(
                 statistics.median(r["launcher_cpu_s"] for r in rows) * 1e6 / (nproc * lines), 2
             ),
@@ -334,6 +336,47 @@ def startup(repeats: int, sizes: list[int]) -> list[dict[str, object]]:
     return rows
 
 
+# --- the report -----------------------------------------------------------------------------
+
+
+def _cell(v: dict[str, float], digits: int = 2) -> str:
+    return f"{v['median']:.{digits}f} ({v['min']:.{digits}f}-{v['max']:.{digits}f})"
+
+
+def report(record: dict[str, Any]) -> str:
+    """The output section as the markdown table benchmarks/README.md quotes."""
+    sec = record["sections"]["output"]
+    head = (
+        "| mode | rank write time, s | rank write CPU, s | job wall time, s | launcher CPU, s | "
+        "whole lines |\n|---|---|---|---|---|---|"
+    )
+    rows = [head]
+    total = sec["ranks"] * sec["lines_per_rank"]
+    for mode in sec["modes"]:
+        m = sec["summary"][mode]
+        whole = [r.get("lines_whole") for r in sec["runs"] if r["mode"] == mode]  # (older records: none)
+        if whole[0] is None:
+            whole_text = "-"
+        else:
+            bad = [w for w in whole if w != total]
+            whole_text = f"all ({total:,}) in {len(whole)}/{len(whole)} runs" if not bad else (
+                f"{min(whole):,}-{max(whole):,} of {total:,}"
+            )
+
+        launcher = "-" if mode in ("devnull", "pipe_cat") else _cell(m["launcher_cpu_s"])
+        rows.append(
+            f"| {mode} | {_cell(m['rank_write_s_slowest'])} | {_cell(m['rank_write_cpu_s_slowest'], 3)} | "
+            f"{_cell(m['job_wall_s'], 1)} | {launcher} | {whole_text} |"
+        )
+    loads = [r["load_avg"] for r in sec["runs"]]
+    rows.append(
+        f"\n{sec['ranks']} ranks x {sec['lines_per_rank']:,} lines, {sec['repeats']} rounds, {sec['date']}, "
+        f"{sec['machine']['cpus']} CPUs, load average {min(loads):.1f}-{max(loads):.1f} during the runs "
+        f"(at {sec['git_head']})."
+    )
+    return "\n".join(rows)
+
+
 # --- the record -----------------------------------------------------------------------------
 
 
@@ -359,7 +402,7 @@ def _git_head() -> str | None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("what", choices=("output", "startup"))
+    parser.add_argument("what", choices=("output", "startup", "report"))
     parser.add_argument("--repeats", type=int, default=None, help="output: 7, startup: 3")
     parser.add_argument("--ranks", type=int, default=4, help="output: ranks per run")
     parser.add_argument("--lines", type=int, default=100_000, help="output: lines per rank")
@@ -369,6 +412,9 @@ def main() -> None:
     args = parser.parse_args()
     out = Path(args.out)
     record: dict[str, Any] = json.loads(out.read_text()) if out.exists() else {}
+    if args.what == "report":
+        print(report(record))
+        return
     if record.get("benchmark") != "launch_overhead" or "sections" not in record:
         record = {"benchmark": "launch_overhead", "sections": {}}
     section: dict[str, Any] = {
