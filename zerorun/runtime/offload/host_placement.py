@@ -144,6 +144,7 @@ class HostPlacement(ShardPlacement):
         self._deferred: dict[int, threading.Event] = {}
         self._unpushed: set[int] = set()
         self._deferred_after: Event = None
+        self._profile_open = False  # the last step's profile waits for its deferred write-backs
         self.steps = 0  # optimizer steps taken (delayed ones included)
         self.delayed_steps = 0
         self.early_steps = 0  # steps whose CPU work started during backward
@@ -452,6 +453,17 @@ class HostPlacement(ShardPlacement):
         Copier.wait(self._up_ev[index][-1])
         if not self._deferred:
             self._deferred_after = None
+            if self._profile_open:
+                self._profile_open = False
+                self._close_profile()
+
+    def _close_profile(self) -> None:
+        """The step's profile (and wall_clock_breakdown sub-phases) is complete: publish it.
+        With deferred write-backs that is when the last of them landed, during the next forward
+        (or at the next step / synchronize): last_profile is then the previous step's, whole."""
+        self.last_profile, self._prof = self._prof, {}
+        if self.copier.timing:
+            self._phases = self._sub_phases(self.last_profile)
 
     def _flush_deferred(self) -> None:
         """Every deferred write-back done (before anything else touches masters or shards)."""
@@ -517,9 +529,10 @@ class HostPlacement(ShardPlacement):
             Copier.wait(self._last_up)
             self._add("main_wait_s", time.perf_counter() - t0)
             self._host_dst = False
-        self.last_profile, self._prof = self._prof, {}
-        if self.copier.timing:
-            self._phases = self._sub_phases(self.last_profile)
+        if self._deferred:
+            self._profile_open = True  # complete once the deferred write-backs are (settle)
+        else:
+            self._close_profile()
         self.copier.fence(self._last_up)
         job, self._launch = self._launch, None
         if job is not None:
