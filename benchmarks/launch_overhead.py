@@ -24,12 +24,15 @@ rank program runs in every mode:
 Every repeat runs every mode once, in an order rotated by one each repeat (ABC.., BC..A, ...),
 after one discarded warm-up round, so a change of machine load or a cold cache hits every
 mode alike. Reported per mode: median and spread over the repeats of the slowest rank's write
-wall time, the ranks' write CPU time, the job's wall time (start to exit, output drained) and
-the launcher's CPU (the launcher process tree's CPU from wait4 minus the ranks' own CPU).
+wall time, the ranks' write CPU time, the job's wall time (start to exit, output drained), the
+launcher's CPU (the launcher process tree's CPU from wait4 minus the ranks' own CPU, start-up
+included) and, in the pipe modes, how many of the ranks' lines reached the reader whole (ranks
+sharing one pipe interleave their buffered writes mid-line; zerorun must deliver every line
+whole or the run fails).
 
 Why the earlier numbers had /dev/null slower than a pipe: each baseline was one sample taken
 once, before the other, at a load average of 13-18 on 2 cores; the write time then measures
-mostly the wait for a core (100,000 lines take ~0.2 s of CPU; those samples took 4.4 s).
+mostly the wait for a core (100,000 prints take ~0.04 s of CPU; those samples took 4.4 s).
 Here every mode gets the same load in turn, the warm-up round is dropped, and the write CPU
 time (which waiting does not inflate) is reported beside the wall time.
 
