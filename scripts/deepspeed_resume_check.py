@@ -12,6 +12,11 @@ DeepSpeed ranks (gloo) build the same engine, ``load_checkpoint`` the zerorun sa
 same step 4 -- once with the optimizer states (``resume``), once without (``fresh``, the control:
 Adam restarting from zero moments). Pass: ``resume`` gives zerorun's step-4 weights (max abs
 difference 0 in fp32, within one bf16 rounding in bf16) while ``fresh`` does not.
+
+The other way too: DeepSpeed saves its own checkpoint after 3 steps (``dssave``), and zerorun's
+``deepspeed.utils.zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint`` (this process, no
+DeepSpeed installed) reads it in DeepSpeed's layout: compared with DeepSpeed's own
+``zero_to_fp32.py`` output of the same checkpoint.
 """
 
 from __future__ import annotations
@@ -61,6 +66,33 @@ def deepspeed_ranks(ds_python: Path, out: Path, case: str, mode: str, port: int)
     return errors
 
 
+def read_deepspeeds_own(ds_python: Path, work: Path, case: str, port: int) -> dict:
+    """DeepSpeed saves (dssave); its zero_to_fp32.py and zerorun's reader both rebuild the weights."""
+    import torch
+
+    from zerorun.compat.deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    errors = deepspeed_ranks(ds_python, work, case, "dssave", port)
+    if errors:
+        return {"error": "deepspeed dssave: " + " | ".join(errors)}
+    package = subprocess.run(
+        [str(ds_python), "-c", "import importlib.util as u; print(u.find_spec('deepspeed').submodule_search_locations[0])"],
+        capture_output=True, text=True, check=True, env=_env(),
+    ).stdout.strip()
+    script = work / "deepspeed_zero_to_fp32.py"  # a copy, as users run it (see deepspeed_layout_check.py)
+    script.write_bytes(Path(package, "utils", "zero_to_fp32.py").read_bytes())
+    ckpt = work / f"{case}-ds"
+    ds = subprocess.run([str(ds_python), str(script), str(ckpt), str(work / f"{case}-ds-fp32")],
+                        env=_env(), capture_output=True, text=True)
+    if ds.returncode != 0:
+        return {"error": f"deepspeed zero_to_fp32: {ds.stderr[-1500:]}"}
+    theirs = torch.load(work / f"{case}-ds-fp32" / "pytorch_model.bin")
+    ours = get_fp32_state_dict_from_zero_checkpoint(ckpt)
+    same = sorted(theirs) == sorted(ours) and all(torch.equal(theirs[k], ours[k].view(theirs[k].shape)) for k in theirs)
+    return {"deepspeed_checkpoint_files": sorted(p.name for p in next(ckpt.glob("global_step*")).iterdir()),
+            "deepspeed_checkpoint_identical": same}
+
+
 def max_diff(a: Path, b: Path) -> float:
     import torch
 
@@ -100,18 +132,22 @@ def main() -> int:
                         entry["error"] = f"deepspeed {mode}: " + " | ".join(errors)
                         break
                     entry[f"{mode}_max_abs_diff_to_zerorun"] = max_diff(work / f"{case}-save.pt", work / f"{case}-{mode}.pt")
+                if "error" not in entry:
+                    entry.update(read_deepspeeds_own(ds_python, work, case, 29750 + i))
             tolerance = 0.0 if case.endswith("fp32") else 1e-2  # bf16: one rounding of the 16-bit weights
             entry["resumes_exactly"] = (
                 "error" not in entry
                 and entry["resume_max_abs_diff_to_zerorun"] <= tolerance < entry["fresh_max_abs_diff_to_zerorun"]
             )
+            entry["reads_deepspeeds_checkpoint"] = entry.get("deepspeed_checkpoint_identical") is True
             entry["seconds"] = round(time.monotonic() - t0, 1)
             results["cases"][case] = entry
             print(case, {k: v for k, v in entry.items() if k != "files"}, flush=True)
     results["all_resume"] = all(c["resumes_exactly"] for c in results["cases"].values())
+    results["all_read"] = all(c["reads_deepspeeds_checkpoint"] for c in results["cases"].values())
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2) + "\n")
-    return 0 if results["all_resume"] else 1
+    return 0 if results["all_resume"] and results["all_read"] else 1
 
 
 if __name__ == "__main__":

@@ -2,14 +2,15 @@
 real DeepSpeed (this file only imports ``deepspeed``; which one that is depends on how it runs).
 
     zerorun --deepspeed-compat --num_gpus 2 --device cpu scripts/deepspeed_resume_worker.py OUT CASE save
-    RANK=r WORLD_SIZE=2 ... python scripts/deepspeed_resume_worker.py OUT CASE resume|fresh   (real DeepSpeed)
+    RANK=r WORLD_SIZE=2 ... python scripts/deepspeed_resume_worker.py OUT CASE resume|fresh|dssave   (real DeepSpeed)
 
 CASE ``s{stage}-{fp32|bf16}``: a small MLP with two optimizer param groups (weights with decay,
 biases without and another lr), AdamW. ``save``: 3 steps, ``engine.save_checkpoint(OUT/CASE)``,
 then step 4; ``resume``: a fresh engine, ``engine.load_checkpoint(OUT/CASE)`` (optimizer states
 too), then step 4; ``fresh``: the same load with ``load_optimizer_states=False`` (the control: what
 step 4 gives without the moments). Every mode writes rank 0's full parameters after step 4 to
-``OUT/CASE-{mode}.pt``.
+``OUT/CASE-{mode}.pt``. ``dssave`` (real DeepSpeed): 3 steps, then DeepSpeed's own checkpoint in
+``OUT/CASE-ds`` (for zerorun to read).
 """
 
 from __future__ import annotations
@@ -54,10 +55,10 @@ def main() -> None:
         engine.backward(loss)
         engine.step()
 
-    if MODE == "save":
+    if MODE in ("save", "dssave"):
         for step in (1, 2, 3):
             train(step)
-        engine.save_checkpoint(str(OUT / CASE))
+        engine.save_checkpoint(str(OUT / (CASE if MODE == "save" else f"{CASE}-ds")))
     else:
         engine.load_checkpoint(str(OUT / CASE), load_optimizer_states=MODE == "resume", load_lr_scheduler_states=False)
     train(4)

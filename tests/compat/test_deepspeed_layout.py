@@ -280,3 +280,33 @@ def test_a_param_group_without_parameters(saved: Path, case: str, tmp_path: Path
     with CheckpointReader(tag) as zr:
         for name in names:
             assert torch.equal(got.tensors[name]["exp_avg"].reshape(-1), zr.read_full(name, "optim.exp_avg", dtype=torch.float32))
+
+
+@pytest.mark.parametrize("case", ["s0-fp32", "s1-bf16", "s3-fp16", "s2-fp32-2g", "s3-bf16-2g"])
+def test_deepspeeds_files_alone_give_the_weights(saved: Path, case: str, tmp_path: Path) -> None:
+    """A checkpoint holding only DeepSpeed's files (as DeepSpeed itself writes them, before a
+    switch to zerorun): deepspeed.utils.zero_to_fp32 under the layer reads them in that layout
+    and gives exactly zerorun's consolidation of the full checkpoint."""
+    import shutil
+
+    from zerorun.compat.deepspeed.utils.zero_to_fp32 import (
+        get_fp32_state_dict_from_zero_checkpoint,
+        load_state_dict_from_zero_checkpoint,
+    )
+
+    root = tmp_path / "ds-only"
+    shutil.copytree(saved / case / "global_step3", root / "global_step3")
+    (root / "latest").write_text("global_step3")
+    for ours in root.glob("global_step3/*"):
+        if ours.name.startswith(("shard_", "rng_")) or ours.name in ("zerorun_checkpoint.json", "engine_state.pt"):
+            ours.unlink()
+    got = get_fp32_state_dict_from_zero_checkpoint(root)
+    want = get_fp32_state_dict(saved / case)
+    assert sorted(got) == sorted(want)
+    for name, value in want.items():
+        assert got[name].dtype == torch.float32 and torch.equal(got[name], value.reshape(got[name].shape)), name
+    if case == "s0-fp32":  # load_state_dict_from_zero_checkpoint too, into a plain module
+        module = torch.nn.Module()
+        module.scale = torch.nn.Parameter(torch.zeros(2))
+        load_state_dict_from_zero_checkpoint(module, root)
+        assert torch.equal(module.scale.data, want["scale"])

@@ -90,6 +90,7 @@ __all__ = [
     "DeepSpeedOptimStates",
     "load_file",
     "loss_scaler_object",
+    "read_fp32_state_dict",
     "read_optim_states",
 ]
 
@@ -143,10 +144,18 @@ def _standin_class(path: str) -> type:
     """Where DeepSpeed is not installed, its objects load as DeepSpeedObject(path, attributes)."""
 
     class Standin(DeepSpeedObject):
-        def __new__(cls) -> Standin:  # what unpickling calls (NEWOBJ), then __setstate__ (BUILD)
+        def __new__(cls, *args: object) -> Any:
+            """Unpickling calls it: with no arguments for an object (then __setstate__ with its
+            attributes), with the value for an enum (DeepSpeed's ZeroStageEnum: the value is
+            what counts), with the fields for a namedtuple (kept as ``args``)."""
+            if len(args) == 1 and isinstance(args[0], (bool, int, float, str)):
+                return args[0]
             obj = object.__new__(cls)
-            obj.path, obj.attributes = path, {}
+            obj.path, obj.attributes = path, ({"args": args} if args else {})
             return obj
+
+        def __init__(self, *args: object) -> None:  # fields set in __new__
+            pass
 
         def __setstate__(self, state: dict[str, object]) -> None:
             self.attributes.update(state)
@@ -302,7 +311,7 @@ def write_rank_files(
     tag_dir: str | os.PathLike[str],
     rank: int,
     *,
-    ds_config: dict[str, Any] | None = None,
+    ds_config: dict[str, object] | None = None,
     groups: list[list[str]] | None = None,
     loss_scaler: DeepSpeedObject | None = None,
 ) -> list[Path]:
@@ -499,4 +508,38 @@ def read_optim_states(tag_dir: str | os.PathLike[str]) -> DeepSpeedOptimStates:
                         raise CheckpointError(f"{tag_dir}: group {g} holds {flat.numel()} elements, fewer than its shapes")
                     out.tensors.setdefault(name, {})[kind] = flat[offset : offset + shape.numel()].view(shape)
                     offset += shape.numel()
+    return out
+
+
+def read_fp32_state_dict(tag_dir: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
+    """The whole model in fp32 from a DeepSpeed-layout tag directory alone (no zerorun files: a
+    checkpoint DeepSpeed itself wrote, say): trainable parameters from the optimizer files
+    (stages 1-3) or ``module`` (stage 0), frozen parameters from their fragments, buffers from
+    ``module``, tied aliases from ``shared_params`` -- what DeepSpeed's ``zero_to_fp32.py`` gives."""
+    tag_dir = Path(tag_dir)
+    model_paths = sorted(tag_dir.glob("*_model_states.pt"))
+    if not model_paths:
+        raise CheckpointError(f"{tag_dir}: no DeepSpeed model states file (*_model_states.pt)")
+    model = load_file(model_paths[0])
+    out: dict[str, torch.Tensor] = {
+        k: v.float() for k, v in model["module"].items() if k in set(model.get("buffer_names") or [])
+    }
+    if any(tag_dir.glob("*zero_pp_rank_*_optim_states.pt")):
+        states = read_optim_states(tag_dir)
+        out.update({name: kinds["fp32"] for name, kinds in states.tensors.items()})
+        stage = states.stage
+    else:  # stage 0: the module holds every parameter
+        out.update({k: v.float() for k, v in model["module"].items()})
+        stage = 0
+    frozen_shapes = model.get("frozen_param_shapes") or {}
+    if frozen_shapes and stage == 3:
+        ranks = [load_file(p)["frozen_param_fragments"] for p in sorted(model_paths, key=_rank_of)]
+        for name, shape in frozen_shapes.items():
+            whole = torch.cat([r[name].float() for r in ranks])[: shape.numel()]
+            out[name] = whole.view(shape)
+    elif frozen_shapes:
+        out.update({k: v.float().view(frozen_shapes[k]) for k, v in (model.get("frozen_param_fragments") or {}).items()})
+    for alias, name in (model.get("shared_params") or {}).items():
+        if name in out:
+            out[alias] = out[name]
     return out

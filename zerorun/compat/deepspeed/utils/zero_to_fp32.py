@@ -3,12 +3,15 @@
 zerorun's checkpoints keep DeepSpeed's directory layout (``global_step{N}/`` + ``latest``) in
 zerorun's shard format; these are DeepSpeed's three entry points over zerorun's consolidation
 (runtime/checkpoint/consolidate.py, also ``zerorun consolidate``). ``checkpoint_dir`` is the
-directory holding ``latest`` (e.g. a Trainer's ``checkpoint-500``), or a tag directory.
+directory holding ``latest`` (e.g. a Trainer's ``checkpoint-500``), or a tag directory. A tag that
+holds only DeepSpeed's files (written by DeepSpeed itself, before the switch to zerorun) is read
+in DeepSpeed's layout (runtime/checkpoint/deepspeed_layout.read_fp32_state_dict).
 """
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -22,6 +25,22 @@ __all__ = [
 ]
 
 __getattr__ = module_getattr(__name__)
+
+
+def _deepspeed_only_tag(checkpoint_dir: str | os.PathLike[str], tag: str | None) -> Path | None:
+    """The tag directory when it holds DeepSpeed's files and none of zerorun's, else None."""
+    from zerorun.runtime.checkpoint.format import LATEST_FILE, META_FILE
+
+    root = Path(checkpoint_dir)
+    if tag is not None:
+        tag_dir = root / tag
+    elif (root / LATEST_FILE).is_file():
+        tag_dir = root / (root / LATEST_FILE).read_text().strip()
+    else:
+        tag_dir = root
+    if (tag_dir / META_FILE).is_file() or not any(tag_dir.glob("*_model_states.pt")):
+        return None
+    return tag_dir
 
 
 def _no_frozen_filter(exclude_frozen_parameters: bool, lazy_mode: bool = False) -> None:
@@ -39,6 +58,11 @@ def get_fp32_state_dict_from_zero_checkpoint(
     _no_frozen_filter(exclude_frozen_parameters, lazy_mode)
     from zerorun.runtime.checkpoint.consolidate import get_fp32_state_dict
 
+    deepspeed_tag = _deepspeed_only_tag(checkpoint_dir, tag)
+    if deepspeed_tag is not None:
+        from zerorun.runtime.checkpoint.deepspeed_layout import read_fp32_state_dict
+
+        return read_fp32_state_dict(deepspeed_tag)
     return get_fp32_state_dict(checkpoint_dir, tag)
 
 
@@ -49,6 +73,9 @@ def load_state_dict_from_zero_checkpoint(
     DeepSpeed, keys the model lacks or has in addition are tolerated (``strict=False``)."""
     from zerorun.runtime.checkpoint.consolidate import load_state_dict_from_checkpoint
 
+    if _deepspeed_only_tag(checkpoint_dir, tag) is not None:
+        model.load_state_dict(get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag), strict=False)
+        return model
     return load_state_dict_from_checkpoint(model, checkpoint_dir, tag, strict=False)
 
 
@@ -64,6 +91,12 @@ def convert_zero_checkpoint_to_fp32_state_dict(
     with an index), streaming one tensor at a time for safetensors."""
     _no_frozen_filter(exclude_frozen_parameters)
     from zerorun.runtime.checkpoint.consolidate import consolidate
+
+    if _deepspeed_only_tag(checkpoint_dir, tag) is not None:
+        unsupported(
+            "convert_zero_checkpoint_to_fp32_state_dict on a checkpoint with DeepSpeed's files only",
+            "get_fp32_state_dict_from_zero_checkpoint reads it (in memory); save that, or DeepSpeed's own zero_to_fp32.py",
+        )
 
     if isinstance(max_shard_size, str):
         from zerorun.sizes import parse_size
