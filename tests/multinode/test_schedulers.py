@@ -59,6 +59,15 @@ def zsteps(out: str) -> dict[int, str]:
     return {int(m[1]): m[2] for m in re.finditer(r"\[node\d:(\d)\] +ZSTEP 29 loss (\S+)", out)}
 
 
+def mpi_reports(prefix: Path, out: str) -> dict[int, str]:
+    """Each MPI rank's INFO and ZSTEP lines from its own MN_REPORT file (named by the rank Open
+    MPI gave it): mpirun --tag-output merges the ranks' output and was seen joining two ranks'
+    lines mid-line, so the tests read no line of mpirun's own output."""
+    reports = {int(f.suffix[1:]): f.read_text() for f in prefix.parent.glob(prefix.name + ".*")}
+    assert sorted(reports) == [0, 1, 2, 3], out
+    return reports
+
+
 def zero_args(nodes, tmp_path: Path) -> list[str]:  # type: ignore[no-untyped-def]
     return ["--device", "cpu", "--pg_timeout", "60", "--config", str(config(nodes, tmp_path)), "--env", "MN_MODE=zero", str(SCRIPT)]
 
@@ -273,9 +282,10 @@ def test_user_started_mpirun_finds_rank0s_host(cluster, reference, tmp_path: Pat
     rsh = f"ssh -F {home / 'config'} -o BatchMode=yes -o UserKnownHostsFile={home / 'known_hosts'}"
     conf = tmp_path / "zero3.yaml"
     conf.write_text(ZERO_CONFIG)
-    env = launcher_env(cluster, OMPI_MCA_plm_rsh_agent=rsh, MN_MODE="zero", MN_CONFIG=str(conf))
+    prefix = tmp_path / "report"
+    env = launcher_env(cluster, OMPI_MCA_plm_rsh_agent=rsh, MN_MODE="zero", MN_CONFIG=str(conf), MN_REPORT=str(prefix))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).parents[2]), env.get("PYTHONPATH")]))
-    forward = [a for name in ("OMP_NUM_THREADS", "TORCH_CPP_LOG_LEVEL", "PYTHONPATH", "MN_MODE", "MN_CONFIG")
+    forward = [a for name in ("OMP_NUM_THREADS", "TORCH_CPP_LOG_LEVEL", "PYTHONPATH", "MN_MODE", "MN_CONFIG", "MN_REPORT")
                for a in ("-x", name)]
     # Open MPI takes -x per application context (the part of the command line between colons).
     argv = ["mpirun", "--allow-run-as-root", "--bind-to", "none", "--tag-output",
@@ -284,13 +294,14 @@ def test_user_started_mpirun_finds_rank0s_host(cluster, reference, tmp_path: Pat
     proc = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
-    for rank in range(4):
+    reports = mpi_reports(prefix, out)
+    for rank, text in reports.items():
         host = f"node{rank // 2 + 1}"
-        assert re.search(rf"\[1,{rank}\]<stdout>:INFO rank={rank} world=4 .*host={host} master=node1$", out, re.M), out
+        assert re.search(rf"^INFO rank={rank} world=4 .*host={host} master=node1$", text, re.M), (rank, text, out)
     # The shim exported torchrun's local variables; zerorun's own process group needs none.
-    assert re.search(r"\[1,3\]<stdout>:INFO rank=3 world=4 local_rank=1 local_world=2 ", out), out
-    losses = {int(m[1]): m[2] for m in re.finditer(r"\[1,(\d)\]<stdout>:ZSTEP 29 loss (\S+)", out)}
-    assert losses == reference, out
+    assert re.search(r"^INFO rank=3 world=4 local_rank=1 local_world=2 ", reports[3], re.M), (reports[3], out)
+    losses = {rank: m[1] for rank, text in reports.items() for m in re.finditer(r"^ZSTEP 29 loss (\S+)$", text, re.M)}
+    assert losses == reference, (reports, out)
     assert not wait_clean(cluster.nodes[:2], 10)
 
 
@@ -300,21 +311,23 @@ def test_user_mpirun_inside_an_allocation(cluster, slurm, reference, tmp_path: P
     MPI's variables and find rank 0's host through PMIx, not Slurm's first node and job-id port."""
     conf = tmp_path / "zero3.yaml"
     conf.write_text(ZERO_CONFIG)
-    env = slurm.env(launcher_env(cluster, MN_MODE="zero", MN_CONFIG=str(conf)))
+    prefix = tmp_path / "report"
+    env = slurm.env(launcher_env(cluster, MN_MODE="zero", MN_CONFIG=str(conf), MN_REPORT=str(prefix)))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).parents[2]), env.get("PYTHONPATH")]))
-    forward = [a for name in ("OMP_NUM_THREADS", "TORCH_CPP_LOG_LEVEL", "PYTHONPATH", "MN_MODE", "MN_CONFIG")
+    forward = [a for name in ("OMP_NUM_THREADS", "TORCH_CPP_LOG_LEVEL", "PYTHONPATH", "MN_MODE", "MN_CONFIG", "MN_REPORT")
                for a in ("-x", name)]
     argv = ["salloc", "-N2", "--ntasks-per-node=2", "mpirun", "--allow-run-as-root", "-np", "4", "--bind-to", "none",
             "--tag-output", *forward, sys.executable, "-m", "zerorun.shim", str(SCRIPT)]
     proc = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
-    for rank in range(4):
+    reports = mpi_reports(prefix, out)
+    for rank, text in reports.items():
         host = f"node{rank // 2 + 1}"
-        assert re.search(rf"\[1,{rank}\]<stdout>:INFO rank={rank} world=4 local_rank={rank % 2} .*host={host} master=node1$",
-                         out, re.M), out  # fmt: skip
-    losses = {int(m[1]): m[2] for m in re.finditer(r"\[1,(\d)\]<stdout>:ZSTEP 29 loss (\S+)", out)}
-    assert losses == reference, out
+        assert re.search(rf"^INFO rank={rank} world=4 local_rank={rank % 2} .*host={host} master=node1$", text, re.M), (
+            rank, text, out)  # fmt: skip
+    losses = {rank: m[1] for rank, text in reports.items() for m in re.finditer(r"^ZSTEP 29 loss (\S+)$", text, re.M)}
+    assert losses == reference, (reports, out)
     assert not wait_clean(slurm.nodes, 10)
 
 

@@ -4,6 +4,8 @@ Reports, on stdout, what the tests check: where it runs, which variables arrived
 the loss, and whether every rank ends with the same weights. Behaviour is chosen through
 variables the test sends with --env (they are not travelling prefixes, so they arrive only
 because the launcher sent them): MN_MARKER (a file created at start: proves a rank started),
+MN_REPORT (a path prefix: the INFO and ZSTEP lines also go to MN_REPORT.<Open MPI rank, else
+RANK> -- a user's own mpirun merges its ranks' output and can join two ranks' lines mid-line),
 MN_MODE=train|zero|loop|fail, MN_FAIL_RANK, MN_FAIL_CODE, MN_INIT=zerorun (the process group
 from zerorun's own discovery instead of init_process_group's env://), MN_CONFIG.
 """
@@ -33,18 +35,26 @@ else:
 rank, world = dist.get_rank(), dist.get_world_size()
 
 
+def report(line: str) -> None:
+    """Print a line the tests check, and append it to this rank's MN_REPORT file if asked."""
+    print(line, flush=True)
+    if os.environ.get("MN_REPORT"):
+        name = os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("RANK"))
+        with open(f"{os.environ['MN_REPORT']}.{name}", "a") as fh:
+            fh.write(line + "\n")
+
+
 def digest(name: str) -> str:
     value = os.environ.get(name)
     return "absent" if value is None else hashlib.sha256(value.encode()).hexdigest()[:12]
 
 
-print(
+report(
     f"INFO rank={rank} world={world} local_rank={os.environ.get('LOCAL_RANK')} "
     f"local_world={os.environ.get('LOCAL_WORLD_SIZE')} node_rank={os.environ.get('NODE_RANK')} "
     f"ifname={os.environ.get('GLOO_SOCKET_IFNAME')} nccl_debug={os.environ.get('NCCL_DEBUG')} "
     f"named_secret={digest('MN_API_TOKEN')} unnamed_secret={digest('NCCL_SECRET_TOKEN')} "
-    f"host={socket.gethostname()} master={os.environ.get('MASTER_ADDR')}",
-    flush=True,
+    f"host={socket.gethostname()} master={os.environ.get('MASTER_ADDR')}"
 )
 print("ARGV " + repr(sys.argv[1:]), flush=True)
 
@@ -69,7 +79,7 @@ if mode == "zero":
         engine.backward(loss)
         engine.step()
         if step in (0, 29):
-            print(f"ZSTEP {step} loss {loss.item():.6f}", flush=True)
+            report(f"ZSTEP {step} loss {loss.item():.6f}")
     dist.barrier()
     dist.destroy_process_group()
     if os.environ.get("MN_INIT") == "zerorun":
