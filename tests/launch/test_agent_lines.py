@@ -12,7 +12,18 @@ import pytest
 
 from zerorun.launch import wire
 from zerorun.launch.agent import LineBatcher
-from zerorun.launch.messages import RankEvent, RankExit, RankOutput, RankStarted
+from zerorun.launch.messages import RankEvent, RankExit, RankLines, RankOutput, RankStarted
+
+
+def _flat(msgs: list[object]) -> list[object]:
+    """Messages with every run of lines as one RankOutput per line (what is compared)."""
+    out: list[object] = []
+    for m in msgs:
+        if isinstance(m, (RankLines, RankOutput)):
+            out.extend(RankOutput(m.rank, m.stream, t) for t in m.lines)
+        else:
+            out.append(m)
+    return out
 
 
 class _Channel:
@@ -46,7 +57,7 @@ def test_batches_keep_order_and_other_messages_go_at_once() -> None:
         batch(m)
     assert len(ch.writes) == 1  # the started message; the lines wait for the turn's end
     batch.flush()
-    assert len(ch.writes) == 2 and ch.messages() == sent
+    assert len(ch.writes) == 2 and _flat(ch.messages()) == sent
     # Four runs of one (rank, stream), in one `lines` message.
     one = wire.decode(ch.writes[1])
     assert one is not None and one["t"] == "lines" and [run[:2] for run in one["runs"]] == [
@@ -58,7 +69,7 @@ def test_batches_keep_order_and_other_messages_go_at_once() -> None:
     batch(RankExit(1, 3))  # an exit never waits, and the lines before it go first
     batch.flush()  # nothing left: no empty write
     assert len(ch.writes) == 4
-    assert ch.messages()[len(sent):] == [
+    assert _flat(ch.messages())[len(sent):] == [
         RankOutput(1, "stderr", "last words"),
         RankEvent(1, {"kind": "error", "message": "boom"}),
         RankOutput(1, "stderr", "after the event"),
@@ -76,10 +87,10 @@ def test_a_full_batch_goes_without_waiting_for_the_turn() -> None:
         batch(m)
     assert len(ch.writes) == 1
     batch.flush()
-    assert ch.messages() == lines
+    assert _flat(ch.messages()) == lines
     big = RankOutput(2, "stdout", "x" * (agent._BATCH_BYTES + 1))
     batch(big)
-    assert len(ch.writes) == 3 and ch.messages()[-1] == big
+    assert len(ch.writes) == 3 and _flat(ch.messages())[-1] == big
 
 
 @pytest.mark.parametrize(
@@ -147,8 +158,8 @@ def test_a_real_agent_sends_every_line_in_order_and_the_last_before_the_exit(tmp
     for rank in (0, 1):
         mine = [m for m in got if getattr(m, "rank", None) == rank]
         assert isinstance(mine[-1], RankExit) and mine[-1].returncode == (3 if rank else 0)
-        out = [m.text for m in mine if isinstance(m, RankOutput) and m.stream == "stdout"]
-        err = [m.text for m in mine if isinstance(m, RankOutput) and m.stream == "stderr"]
+        out = [t for m in mine if isinstance(m, RankLines) and m.stream == "stdout" for t in m.lines]
+        err = [t for m in mine if isinstance(m, RankLines) and m.stream == "stderr" for t in m.lines]
         assert out == [f"out {rank} {i} " + "x" * 10 for i in range(20_000)] + ["partial-end", f"unterminated {rank}"]
         assert err == [f"err {rank} {i}" for i in range(100)]
     assert "out" not in kinds and kinds.count("lines") < 2_000  # 40,204 lines

@@ -22,7 +22,7 @@ def test_line_cutting_handles_progress_bars() -> None:
 
     got: list[str] = []
     runner = LocalRunner.__new__(LocalRunner)
-    runner._sink = lambda msg: got.append(msg.text)
+    runner._sink = lambda msg: got.extend(msg.lines)
     s = _Stream(0, "stdout", -1)
     for piece in (b"epoch 1\n\r 10%|#", b"\r 20%|##\r", b"\ndone\r", b"\n\nutf8 \xc3", b"\xa9\n", b"tail"):
         s.buf += piece

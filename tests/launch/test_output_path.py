@@ -14,7 +14,7 @@ import pytest
 from _plans import plan_for
 
 from zerorun.launch.console import RichConsole
-from zerorun.launch.messages import RankExit, RankOutput
+from zerorun.launch.messages import RankExit, RankLines, RankOutput
 
 _RANK = """import os, sys, time
 rank = int(os.environ["RANK"])
@@ -75,11 +75,14 @@ def test_rank_lines_keep_their_order_and_nothing_is_lost_at_exit(tmp_path: Path)
     for rank in (0, 1):
         mine = [m for m in got if getattr(m, "rank", None) == rank]
         assert isinstance(mine[-1], RankExit) and mine[-1].returncode == (3 if rank else 0)
-        out = [m.text for m in mine if isinstance(m, RankOutput) and m.stream == "stdout"]
-        err = [m.text for m in mine if isinstance(m, RankOutput) and m.stream == "stderr"]
+        out = [t for m in mine if isinstance(m, RankLines) and m.stream == "stdout" for t in m.lines]
+        err = [t for m in mine if isinstance(m, RankLines) and m.stream == "stderr" for t in m.lines]
         assert out[:20_000] == [f"out {rank} {i} " + "x" * 10 for i in range(20_000)]
         assert out[20_000:] == ["partial-end", f"unterminated {rank}"]
         assert err == [f"err {rank} {i}" for i in range(100)]
+        # One message per read of a pipe, not per line: 20,202 lines in at most a few hundred.
+        assert not any(isinstance(m, RankOutput) for m in mine)
+        assert len([m for m in mine if isinstance(m, RankLines)]) < 1000
 
 
 def _rich(plan, states, **kw) -> tuple[RichConsole, io.StringIO]:  # type: ignore[no-untyped-def]

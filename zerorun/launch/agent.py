@@ -32,7 +32,7 @@ from dataclasses import replace
 from typing import Any
 
 from zerorun.launch import wire
-from zerorun.launch.messages import RankOutput
+from zerorun.launch.messages import RankLines, RankOutput
 
 __all__ = ["main", "hello", "port_in_use", "LineBatcher"]
 
@@ -87,15 +87,16 @@ class LineBatcher:
         self._bytes = 0
 
     def __call__(self, m: Any) -> None:
-        if isinstance(m, RankOutput):
+        if isinstance(m, (RankLines, RankOutput)):
+            lines = m.lines  # a RankOutput is a run of one line
             with self._lock:
                 runs = self._runs
                 if runs and runs[-1][0] == m.rank and runs[-1][1] == m.stream:
-                    runs[-1][2].append(m.text)
+                    runs[-1][2].extend(lines)
                 else:
-                    runs.append((m.rank, m.stream, [m.text]))
-                self._lines += 1
-                self._bytes += len(m.text)
+                    runs.append((m.rank, m.stream, list(lines)))
+                self._lines += len(lines)
+                self._bytes += sum(map(len, lines))
                 if self._lines >= _BATCH_LINES or self._bytes >= _BATCH_BYTES:
                     self._send()
             return

@@ -31,9 +31,12 @@ from typing import IO, Any, Literal
 
 from zerorun.launch import console_format as fmt
 from zerorun.launch import rollup
-from zerorun.launch.messages import RankOutput
+from zerorun.launch.messages import RankLines, RankOutput
 from zerorun.launch.plan import LaunchPlan
 from zerorun.launch.result import JobResult, RankState
+
+# What the consoles print: runs of a rank's lines (a `RankOutput` is a run of one line).
+Run = RankLines | RankOutput
 
 __all__ = [
     "PlainConsole",
@@ -91,17 +94,20 @@ class _LargeJob:
         self.dedup = rollup.Dedup()
         self.last_lines: dict[int, str] = {}
 
-    def split(self, lines: Sequence[RankOutput]) -> list[RankOutput]:
-        """The lines to print as they are (the detail ranks'); every notable line goes to the dedup."""
+    def split(self, runs: Sequence[Run]) -> list[Run]:
+        """The runs to print as they are (the detail ranks'); every notable line goes to the dedup."""
         now = time.monotonic()
-        shown: list[RankOutput] = []
-        for line in lines:
-            self.last_lines[self.node_of.get(line.rank, -1)] = line.text
-            if line.rank in self.detail:
-                shown.append(line)
+        shown: list[Run] = []
+        for run in runs:
+            if not run.lines:
+                continue
+            self.last_lines[self.node_of.get(run.rank, -1)] = run.lines[-1]
+            if run.rank in self.detail:
+                shown.append(run)
             # A detail rank's warning counts too: the line for everyone then names every rank.
-            if rollup.is_notable(line.text):
-                self.dedup.add(line.rank, line.text, now)
+            for text in run.lines:
+                if rollup.is_notable(text):
+                    self.dedup.add(run.rank, text, now)
         return shown
 
     def rows(self) -> tuple[list[rollup.NodeRow], rollup.JobRollup]:
@@ -157,20 +163,22 @@ class PlainConsole:
             self._next_status = time.monotonic() + self.status_interval_s
             self.note(fmt.large_note(plan, self._large.detail))
 
-    def output(self, lines: Sequence[RankOutput]) -> None:
+    def output(self, runs: Sequence[Run]) -> None:
         if self._large is not None:
-            lines = self._large.split(lines)
+            runs = self._large.split(runs)
         current: IO[str] | None = None
         chunk: list[str] = []
-        for line in lines:
-            if self._large is None and self.ranks is not None and line.rank not in self.ranks:
+        for run in runs:
+            if (self._large is None and self.ranks is not None and run.rank not in self.ranks) or not run.lines:
                 continue
-            stream = self.err if line.stream == "stderr" else self.out
+            stream = self.err if run.stream == "stderr" else self.out
             if stream is not current:
                 if current is not None and chunk:
                     self._write(current, "".join(chunk))
                 current, chunk = stream, []
-            chunk.append(f"{self._prefixes.get(line.rank, f'[{line.rank}]')} {line.text}\n")
+            # A run is one join: no Python work per line.
+            head = f"{self._prefixes.get(run.rank, f'[{run.rank}]')} "
+            chunk.append(head + f"\n{head}".join(run.lines) + "\n")
         if current is not None and chunk:
             self._write(current, "".join(chunk))
 
@@ -278,26 +286,31 @@ class RichConsole:
             return fmt.node_table(rows, job, room, elapsed)
         return fmt.rank_table(self.states, self._prefixes, self._styles, elapsed)
 
-    def output(self, lines: Sequence[RankOutput]) -> None:
+    def output(self, runs: Sequence[Run]) -> None:
         # The hot path: no rich Text per line (spans, control-code stripping, rendering cost
-        # ~50 us of launcher CPU per line). Each rank's coloured prefix and the stderr style are
-        # rendered once (`_heads`); a batch is one string printed as it is.
+        # ~50 us of launcher CPU per line), and no Python work per line either: each rank's
+        # coloured prefix and the stderr style are rendered once (`_heads`), a run of lines is
+        # one join and one translate, a batch one string printed as it is.
         if self._large is not None:
-            lines = self._large.split(lines)
+            runs = self._large.split(runs)
         heads, dim_open, dim_close = self._heads, self._dim[0], self._dim[1]
         parts: list[str] = []
-        for line in lines:
-            if self._large is None and self.ranks is not None and line.rank not in self.ranks:
+        count = 0
+        for run in runs:
+            if (self._large is None and self.ranks is not None and run.rank not in self.ranks) or not run.lines:
                 continue
-            head = heads.get((line.rank, line.stream)) or f"[{line.rank}] "
-            text = line.text.translate(_STRIP_CONTROL)
-            if line.stream == "stdout":
-                parts.append(f"{head}{text}\n")
+            head = heads.get((run.rank, run.stream)) or f"[{run.rank}] "
+            if run.stream != "stdout":
+                head, tail = head + dim_open, dim_close + "\n"
             else:
-                parts.append(f"{head}{dim_open}{text}{dim_close}\n")
+                tail = "\n"
+            # The control codes go from the lines' text only (not from the escape codes around it).
+            text = "\n".join(run.lines).translate(_STRIP_CONTROL)
+            parts.append(head + text.replace("\n", tail + head) + tail)
+            count += len(run.lines)
         if parts:
             self._pending.append("".join(parts))
-            self._pending_lines += len(parts)
+            self._pending_lines += count
             if self._pending_lines >= _PRINT_LINES:
                 self._print_pending()
 

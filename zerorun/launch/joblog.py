@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -38,7 +38,9 @@ class JobLog:
         self.run_id = run_id
         self._files: dict[int, TextIO | None] = {}
         self._events: TextIO | None = None
-        self._pending: list[tuple[int, Any]] = []  # (rank, line) or (_EVENT, (rank, event))
+        # (rank, line), (rank, [line, ...]) or (_EVENT, (rank, event)); and how many lines
+        self._pending: list[tuple[int, Any]] = []
+        self._pending_lines = 0
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = False
@@ -60,16 +62,25 @@ class JobLog:
         if rank in self._files:
             with self._lock:
                 self._pending.append((rank, text))
+                self._pending_lines += 1
+
+    def lines(self, rank: int, lines: Sequence[str]) -> None:
+        """A run of a rank's lines (kept as the run: written with one join, not per line)."""
+        if rank in self._files and lines:
+            with self._lock:
+                self._pending.append((rank, lines))
+                self._pending_lines += len(lines)
 
     def event(self, rank: int, event: Mapping[str, Any]) -> None:
         if self._events is not None:
             with self._lock:
                 self._pending.append((_EVENT, (rank, event)))
+                self._pending_lines += 1
 
     def flush(self) -> None:
         """Called after each batch. The writer drains every `_WRITE_EVERY_S` by itself; it is
         woken early only for a large backlog (waking it per batch cost more than the writes)."""
-        if len(self._pending) > _WAKE_AT:
+        if self._pending_lines > _WAKE_AT:
             self._wake.set()
 
     def close(self, result: JobResult) -> None:
@@ -118,6 +129,7 @@ class JobLog:
     def _drain(self) -> None:
         with self._lock:
             pending, self._pending = self._pending, []
+            self._pending_lines = 0
         if not pending or self.error is not None:
             return
         dirty = self._dirty
@@ -128,7 +140,8 @@ class JobLog:
                     if self._events is not None:
                         self._events.write(json.dumps({"rank": r, **ev}, default=str) + "\n")
                     continue
-                (self._files[rank] or self._file(rank)).write(item + "\n")
+                f = self._files[rank] or self._file(rank)
+                f.write(item + "\n" if type(item) is str else "\n".join(item) + "\n")
                 dirty.add(rank)
             now = time.monotonic()
             if now - self._flushed_at >= _FLUSH_EVERY_S or self._stop:

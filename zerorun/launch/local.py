@@ -4,8 +4,9 @@ Each rank is `python -m zerorun.shim ...` in a session of its own (so one `killp
 the rank and the children it did not detach), with three pipes: stdout, stderr and the event
 channel (`ZERORUN_EVENT_FD`). One reader thread multiplexes every pipe of the node with a
 selector and watches exits through pidfds (no polling, no SIGCHLD handler), so the main
-thread is free for the supervisor. Lines are cut here; a rank writing faster than the console
-prints never blocks on its pipe, because this thread only reads and queues.
+thread is free for the supervisor. Lines are cut here and posted as one `RankLines` per read of
+a pipe; a rank writing faster than the console prints never blocks on its pipe, because this
+thread only reads and queues.
 
 Killing is layered, each layer catching what the one before misses:
 1. `killpg(SIGKILL)` of every rank's process group;
@@ -31,7 +32,7 @@ from dataclasses import dataclass, field
 
 from zerorun.channel import events
 from zerorun.errors import LaunchError
-from zerorun.launch.messages import RankEvent, RankExit, RankOutput, RankStarted, Sink
+from zerorun.launch.messages import RankEvent, RankExit, RankLines, RankStarted, Sink
 from zerorun.launch.plan import DeviceInfo, LaunchPlan, NodePlan, RankSpec, parse_visible_devices
 
 __all__ = ["LocalRunner", "detect_devices", "job_processes", "kill_job_processes", "port_is_free", "choose_free_port"]
@@ -290,16 +291,15 @@ class LocalRunner:
             if end >= 0:
                 chunk = bytes(buf[: end + 1])
                 del buf[: end + 1]
-                # One decode per chunk, not per line: this is the console's hot path.
-                sink, rank, kind = self._sink, s.rank, s.kind
+                # One decode and one message per chunk, not per line: this is the console's hot
+                # path (a message per line cost the launcher more CPU than the ranks' printing).
                 text = chunk.decode("utf-8", errors="replace")
                 if "\r" not in text:
-                    for line in text[:-1].split("\n"):
-                        sink(RankOutput(rank, kind, line))  # type: ignore[arg-type]
-                else:
-                    for m in _LINE.finditer(text):
-                        if m.group(1) or m.group(2) != "\r":  # a bare `\r` redraw of nothing: skip
-                            sink(RankOutput(rank, kind, m.group(1)))  # type: ignore[arg-type]
+                    lines = text[:-1].split("\n")
+                else:  # a bare `\r` redraw of nothing is skipped
+                    lines = [m.group(1) for m in _LINE.finditer(text) if m.group(1) or m.group(2) != "\r"]
+                if lines:
+                    self._sink(RankLines(s.rank, s.kind, lines))  # type: ignore[arg-type]
         if len(buf) > (_MAX_EVENT if s.kind == "events" else _MAX_LINE):
             self._emit(s, bytes(buf))
             buf.clear()
@@ -311,7 +311,7 @@ class LocalRunner:
                 self._sink(RankEvent(s.rank, ev))
             return
         text = line.decode("utf-8", errors="replace").replace("\r", "")
-        self._sink(RankOutput(s.rank, s.kind, text))  # type: ignore[arg-type]
+        self._sink(RankLines(s.rank, s.kind, (text,)))  # type: ignore[arg-type]
 
 
 # --- finding and killing a job's processes ------------------------------------------------

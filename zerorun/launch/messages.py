@@ -7,7 +7,7 @@ supervisor so that runners depend on the vocabulary, not on the loop that consum
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
@@ -16,6 +16,7 @@ from zerorun.launch.plan import NodePlan
 __all__ = [
     "RankStarted",
     "RankOutput",
+    "RankLines",
     "RankEvent",
     "RankExit",
     "NodeLost",
@@ -38,6 +39,23 @@ class RankOutput:
     rank: int
     stream: Literal["stdout", "stderr"]
     text: str
+
+    @property
+    def lines(self) -> tuple[str]:
+        """A run of one line (what consumers of `RankLines` read)."""
+        return (self.text,)
+
+
+@dataclass(frozen=True)
+class RankLines:
+    """Consecutive lines of one rank's stdout or stderr, in order, without their line endings:
+    what a runner read in one go (one message per read instead of one per line -- a message per
+    line cost the launcher more CPU than the ranks spent printing). `lines` belongs to the
+    message: nobody changes it after posting."""
+
+    rank: int
+    stream: Literal["stdout", "stderr"]
+    lines: Sequence[str]
 
 
 @dataclass(frozen=True)
@@ -62,7 +80,7 @@ class NodeLost:
     reason: str
 
 
-Message = RankStarted | RankOutput | RankEvent | RankExit | NodeLost
+Message = RankStarted | RankOutput | RankLines | RankEvent | RankExit | NodeLost
 Sink = Callable[[Message], None]
 
 
@@ -74,8 +92,8 @@ class NodeRunner(Protocol):
     def start(self, sink: Sink) -> None:
         """Start every rank of the node (called on the launcher's main thread). Raises
         LaunchError when the node cannot start; from then on reports through `sink`, from any
-        thread: RankStarted, RankOutput, RankEvent, then exactly one RankExit per rank (or a
-        NodeLost)."""
+        thread: RankStarted, RankLines (or RankOutput: one line), RankEvent, then exactly one
+        RankExit per rank (or a NodeLost)."""
         ...
 
     def signal(self, sig: int, *, tree: bool = True) -> None:

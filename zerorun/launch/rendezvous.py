@@ -39,7 +39,7 @@ from zerorun.launch import tcp_link, wire
 from zerorun.launch.knobs import heartbeat_timeout
 from zerorun.launch.link import Link, LinkHub
 from zerorun.launch.messages import NodeLost, RankExit
-from zerorun.launch.wire import message_from_wire, message_to_wire
+from zerorun.launch.wire import message_to_wire, messages_from_wire
 
 __all__ = ["NodeInfo", "Session", "meet", "PeerRunner"]
 
@@ -381,18 +381,19 @@ class _Relay:
                 peer.lose(str(msg.get("reason")))
             return
         try:
-            m = message_from_wire(msg)
+            got = messages_from_wire(msg)  # a `lines` message: a run per rank stream
         except (KeyError, TypeError, ValueError):
             return
-        if m is None:
+        if not got:
             return
         if self.session.is_hub and kind in ("started", "exit"):
             for other, olink in self.session.links.items():
                 if other != node_rank:
                     olink.send(kind, **{k: v for k, v in msg.items() if k != "t"})
-        peer = self.peers.get(self.node_of.get(m.rank, -1))
-        if peer is not None:
-            peer.post(m)
+        for m in got:
+            peer = self.peers.get(self.node_of.get(m.rank, -1))
+            if peer is not None:
+                peer.post(m)
 
     def _on_eof(self, node_rank: int) -> None:
         if self._done.is_set():

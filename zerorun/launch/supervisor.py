@@ -29,6 +29,7 @@ from zerorun.launch.messages import (
     NodeRunner,
     RankEvent,
     RankExit,
+    RankLines,
     RankOutput,
     RankStarted,
 )
@@ -53,6 +54,9 @@ _AFTER_KILL_WAIT_S = 3.0
 # Batching: with fewer messages than this waiting, give the runners _COALESCE_S to post more.
 _COALESCE_BELOW = 64
 _COALESCE_S = 0.002
+# A turn of the loop takes at most this many messages, or this many rank lines.
+_BATCH_MESSAGES = 2000
+_BATCH_LINES = 50_000
 
 
 # --- The supervisor -----------------------------------------------------------------------
@@ -62,7 +66,7 @@ class Console(Protocol):
     """What the supervisor needs from `launch.console` (rich or plain)."""
 
     def begin(self, plan: LaunchPlan, states: Sequence[RankState]) -> None: ...
-    def output(self, lines: Sequence[RankOutput]) -> None: ...
+    def output(self, runs: Sequence[RankLines | RankOutput]) -> None: ...
     def note(self, text: str, *, level: Literal["info", "warn", "error"] = "info") -> None: ...
     def refresh(self) -> None: ...
     def stop(self) -> None: ...
@@ -204,14 +208,18 @@ class Supervisor:
             # A trickle from many nodes would otherwise be handled a few messages per turn, each
             # turn paying the loop's fixed costs: wait a moment for more (adds <= 2 ms of lag).
             time.sleep(_COALESCE_S)
-        # Take what is already there, up to a bound, so the console prints in chunks.
-        while len(batch) < 2000:
+        # Take what is already there, up to a bound (messages, and lines: a `RankLines` is a
+        # whole read of a pipe), so the console prints in chunks and the loop's checks still run.
+        lines = 0
+        while len(batch) < _BATCH_MESSAGES and lines < _BATCH_LINES:
             try:
                 msg = self._queue.get_nowait()
             except queue.Empty:
                 break
             if msg is not None:
                 batch.append(msg)
+                if type(msg) is RankLines:
+                    lines += len(msg.lines)
         return batch
 
     def _drain_nowait(self) -> None:
@@ -222,9 +230,9 @@ class Supervisor:
             self._handle(batch)
 
     def _handle(self, batch: Sequence[Message]) -> None:
-        lines: list[RankOutput] = []
+        lines: list[RankLines | RankOutput] = []
         for msg in batch:
-            if isinstance(msg, RankOutput):
+            if isinstance(msg, (RankLines, RankOutput)):
                 self._on_output(msg)
                 lines.append(msg)
                 continue
@@ -248,14 +256,16 @@ class Supervisor:
 
     # -- message handlers -------------------------------------------------------------------
 
-    def _on_output(self, msg: RankOutput) -> None:
+    def _on_output(self, msg: RankLines | RankOutput) -> None:
+        """A run of a rank's lines (a `RankOutput` is a run of one): per run, not per line."""
         self._last_activity = time.monotonic()
         state = self.states[msg.rank]
-        (state.stderr_tail if msg.stream == "stderr" else state.stdout_tail).append(msg.text)
+        lines = msg.lines
+        (state.stderr_tail if msg.stream == "stderr" else state.stdout_tail).extend(lines)
         if self._hang_dump_until is not None and msg.stream == "stderr":
-            state.stack_dump.append(msg.text)
+            state.stack_dump.extend(lines)
         if self._joblog is not None:
-            self._joblog.output(msg.rank, msg.text)
+            self._joblog.lines(msg.rank, lines)
 
     def _on_event(self, msg: RankEvent) -> None:
         state = self.states[msg.rank]

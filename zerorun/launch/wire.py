@@ -39,7 +39,7 @@ import time
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from zerorun.launch.messages import RankEvent, RankExit, RankOutput, RankStarted
+from zerorun.launch.messages import RankEvent, RankExit, RankLines, RankOutput, RankStarted
 
 if TYPE_CHECKING:  # pragma: no cover
     from zerorun.launch.fanout import Failed
@@ -164,11 +164,13 @@ def collect_hellos(
 # One codec for every hop a rank's `started`/`out`/`event`/`exit` takes: agent -> launcher (SSH,
 # dial-in, simulation) and node <-> node in per-node mode.
 
-RankMessage = RankOutput | RankEvent | RankStarted | RankExit
+RankMessage = RankOutput | RankLines | RankEvent | RankStarted | RankExit
 
 
 def message_to_wire(m: object) -> tuple[str, dict[str, Any]] | None:
     """(kind, fields) of a rank's runner message; None for anything else (e.g. `NodeLost`)."""
+    if isinstance(m, RankLines):
+        return "lines", {"runs": [[m.rank, m.stream, list(m.lines)]]}
     if isinstance(m, RankOutput):
         return "out", {"rank": m.rank, "stream": m.stream, "line": m.text}
     if isinstance(m, RankEvent):
@@ -202,9 +204,9 @@ def message_from_wire(msg: Mapping[str, Any]) -> RankMessage | None:
 
 
 def messages_from_wire(msg: Mapping[str, Any]) -> list[RankMessage]:
-    """`message_from_wire` for every kind an agent sends, `lines` included (one RankOutput per
-    line, in order); an empty list for kinds that carry no rank message. Malformed: raises as
-    `message_from_wire` does."""
+    """`message_from_wire` for every kind an agent sends, `lines` included (one RankLines per
+    run, in order; an empty run is dropped); an empty list for kinds that carry no rank
+    message. Malformed: raises as `message_from_wire` does."""
     if msg.get("t") != "lines":
         m = message_from_wire(msg)
         return [] if m is None else [m]
@@ -215,7 +217,10 @@ def messages_from_wire(msg: Mapping[str, Any]) -> list[RankMessage]:
         if not isinstance(lines, list):
             raise TypeError("a run of lines that is not a list")
         r = int(rank)
-        out.extend(RankOutput(r, stream, str(line)) for line in lines)
+        if not all(type(line) is str for line in lines):  # JSON strings are str: a faulty sender
+            lines = [str(line) for line in lines]
+        if lines:
+            out.append(RankLines(r, stream, lines))
     return out
 
 
