@@ -75,17 +75,19 @@ class Probe:
         self.states = states
         self.inner.begin(plan, states)
 
-    def output(self, lines: Sequence[Any]) -> None:
+    def output(self, runs: Sequence[Any]) -> None:
+        """Runs of a rank's lines (`RankLines`; a `RankOutput` is a run of one)."""
         now = time.monotonic()
-        self.lines += len(lines)
-        for line in lines:
-            self._n += 1
-            if self._n % self.sample_every:
-                continue
-            m = _STAMP.search(line.text)
-            if m:
-                self.lags.append((now, now - float(m.group(1))))
-        self.inner.output(lines)
+        for run in runs:
+            self.lines += len(run.lines)
+            for text in run.lines:
+                self._n += 1
+                if self._n % self.sample_every:
+                    continue
+                m = _STAMP.search(text)
+                if m:
+                    self.lags.append((now, now - float(m.group(1))))
+        self.inner.output(runs)
 
     def note(self, text: str, *, level: str = "info") -> None:
         self.notes.append((time.monotonic(), level, text))

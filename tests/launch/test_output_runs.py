@@ -135,3 +135,15 @@ def test_the_per_node_relay_forwards_runs_to_node_0() -> None:
     hub = rendezvous._Relay(Session(), plan, {1: peer})  # type: ignore[arg-type]
     hub._on_message(1, {"t": sent[0][0], **sent[0][1]})
     assert posted == [RankLines(1, "stdout", ["one", "two"])]
+
+
+def test_a_run_is_notable_exactly_when_one_of_its_lines_is() -> None:
+    """The large-job view searches a run joined before its lines (no keyword spans a line break)."""
+    from zerorun.launch import rollup
+
+    runs = [
+        ["err", "or: x"], ["Warn", "ing:"], ["x Warning", ":"], ["errors=0", "nan_count 3"], ["ok", "oom"],
+        ["a", "b", "RuntimeError: y"], ["warnings_total 2", "Error", ""], ["", ""], ["step 1", "step 2"],
+    ]
+    for lines in runs:
+        assert rollup.is_notable("\n".join(lines)) == any(rollup.is_notable(t) for t in lines), lines

@@ -105,7 +105,12 @@ class _LargeJob:
             if run.rank in self.detail:
                 shown.append(run)
             # A detail rank's warning counts too: the line for everyone then names every rank.
-            for text in run.lines:
+            # A run is searched whole first (no keyword spans a line break): lines one by one
+            # only in a run that has a notable line.
+            lines = run.lines
+            if len(lines) > 1 and not rollup.is_notable("\n".join(lines)):
+                continue
+            for text in lines:
                 if rollup.is_notable(text):
                     self.dedup.add(run.rank, text, now)
         return shown
