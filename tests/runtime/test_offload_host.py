@@ -63,3 +63,23 @@ def test_exact_pinned_buffer_on_cuda_copies_asynchronously() -> None:
     # "already registered" for a buffer we allocate fresh.
     again = host.host_empty(n, torch.float32, pin=True, lasting=True)
     assert again.is_pinned() and isinstance(ptr, int)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (scripts/gpu_checks.sh)")
+def test_registered_buffer_waits_for_a_copy_in_flight_before_it_is_unpinned() -> None:
+    # A side-stream copy into the buffer is still queued (behind a sleep) when the last
+    # reference dies: unregistering and unmapping must wait for it, not pull the pages from
+    # under the DMA (the last step's write-backs are only fenced on the GPU).
+    n = host.EXACT_PIN_MIN_BYTES // 4
+    t = host.host_empty(n, torch.float32, pin=True, lasting=True)
+    src = torch.ones(n, device="cuda")
+    side = torch.cuda.Stream()
+    torch.cuda.synchronize()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU cycles
+        t.copy_(src, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(side)
+    del t
+    gc.collect()
+    assert done.query()  # the copy had landed before the pages were unpinned

@@ -54,7 +54,16 @@ def _cudart_register(ptr: int, nbytes: int) -> bool:
     return int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)) == 0
 
 
-def _cudart_unregister(ptr: int) -> object:
+def _cudart_unregister(ptr: int, device: int | None = None) -> object:
+    # The buffer may still be the source or destination of a copy queued on a side stream (the
+    # last step's write-backs are fenced on the training stream only, never waited for on the
+    # host): unpinning and unmapping the pages under a DMA in flight corrupts whatever reuses
+    # them. Wait for the device first -- buffers are kept for the run, so this costs a sync at
+    # teardown only.
+    try:
+        torch.cuda.synchronize(device)
+    except Exception:  # interpreter shutdown / no context: nothing left to wait for
+        pass
     try:
         return torch.cuda.cudart().cudaHostUnregister(ptr)
     except Exception:  # interpreter shutdown: the CUDA runtime (or torch) is already gone
@@ -87,7 +96,8 @@ def host_empty(numel: int, dtype: torch.dtype, *, pin: bool, lasting: bool = Fal
     use PyTorch's caching pinned allocator (registering memory costs time on every allocation)."""
     if pin and torch.cuda.is_available():
         if lasting and numel * torch.empty((), dtype=dtype).element_size() >= EXACT_PIN_MIN_BYTES:
-            exact = registered_empty(numel, dtype)
+            device = torch.cuda.current_device()  # the context the pages are registered in
+            exact = registered_empty(numel, dtype, unregister=lambda ptr: _cudart_unregister(ptr, device))
             if exact is not None:
                 return exact
         return torch.empty(numel, dtype=dtype, pin_memory=True)
