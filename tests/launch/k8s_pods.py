@@ -15,7 +15,8 @@ the names other pods reach it by, its environment and its command, as the contro
   the JobSet's name; the controller makes the headless Service).
 
 Pure (yaml in, pods out): tests/launch/test_k8s_templates.py checks what zerorun reads from
-these, tests/multinode/test_k8s_nodes.py runs the pods' commands on fake hosts.
+these, tests/multinode/test_schedulers.py::test_kubernetes_manifests_train_like_ssh runs the
+pods' commands on fake hosts.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 cluster would make (tests/launch/k8s_pods.py: names, environment, command as the controllers set
 them), the pod's own command line, parsed by zerorun's CLI, picks per-node mode with the pod's
 index as node rank, the pod count as node count, and a master that is node 0's DNS name.
-tests/multinode/test_k8s_nodes.py runs the same commands on fake hosts."""
+tests/multinode/test_schedulers.py::test_kubernetes_manifests_train_like_ssh runs the same commands on
+fake hosts."""
 
 from __future__ import annotations
 

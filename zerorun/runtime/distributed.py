@@ -8,7 +8,6 @@ already created is used as it is.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -16,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from zerorun.errors import RuntimeConfigError
-from zerorun.runtime.world import first_slurm_host, rank_env, rendezvous_address
+from zerorun.runtime.world import first_slurm_host, int_env, rank_env, rendezvous_address
 
 __all__ = ["DistContext", "init_distributed", "rank_env", "rendezvous_address", "first_slurm_host"]
 
@@ -31,23 +30,13 @@ class DistContext:
     group: dist.ProcessGroup | None = None
 
 
-def _int_env(name: str, env: Mapping[str, str] | None = None) -> int | None:
-    value = (os.environ if env is None else env).get(name)
-    if value is None or value == "":
-        return None
-    try:
-        return int(value)
-    except ValueError:
-        raise RuntimeConfigError(f"environment variable {name}={value!r} is not an integer") from None
-
-
 def _device(local_rank: int) -> torch.device:
     wanted = os.environ.get("ZERORUN_DEVICE")
     if wanted == "cpu" or not torch.cuda.is_available():
         if wanted == "cuda":
             raise RuntimeConfigError("ZERORUN_DEVICE=cuda but torch sees no CUDA device on this host")
         return torch.device("cpu")
-    per_gpu = _int_env("ZERORUN_RANKS_PER_GPU") or 1
+    per_gpu = int_env(os.environ, "ZERORUN_RANKS_PER_GPU") or 1
     index = local_rank // max(per_gpu, 1)
     if index >= torch.cuda.device_count():
         raise RuntimeConfigError(
@@ -61,7 +50,7 @@ def init_distributed() -> DistContext:
     """Create the default process group if none exists; return this rank's context."""
     if dist.is_available() and dist.is_initialized():
         rank, world = dist.get_rank(), dist.get_world_size()
-        local = _int_env("LOCAL_RANK")
+        local = int_env(os.environ, "LOCAL_RANK")
         if local is None:
             local = rank_env(os.environ)[2]
         device = _device(local)
@@ -76,7 +65,7 @@ def init_distributed() -> DistContext:
     backend = os.environ.get("ZERORUN_BACKEND") or ("nccl" if device.type == "cuda" else "gloo")
     if backend == "nccl" and device.type != "cuda":
         raise RuntimeConfigError("ZERORUN_BACKEND=nccl needs a CUDA device; use gloo on CPU")
-    timeout_s = _int_env("ZERORUN_PG_TIMEOUT") or 1800
+    timeout_s = int_env(os.environ, "ZERORUN_PG_TIMEOUT") or 1800
     timeout = timedelta(seconds=timeout_s)
     if world == 1 and "MASTER_ADDR" not in os.environ:
         # One process and no rendezvous address: a private in-memory store, no port needed.

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from zerorun.errors import RuntimeConfigError
 from zerorun.runtime import pmix
 
-__all__ = ["World", "world", "rank_env", "rendezvous_address", "first_slurm_host", "torchrun_env"]
+__all__ = ["World", "world", "int_env", "rank_env", "rendezvous_address", "first_slurm_host", "torchrun_env"]
 
 PmixQuery = Callable[[Mapping[str, str]], "pmix.PmixJob | None"]
 
@@ -63,7 +63,8 @@ class World:
     source: str  # "torchrun", "slurm", "openmpi", "pmix", "pmi" or "none"
 
 
-def _int_env(env: Mapping[str, str], name: str) -> int | None:
+def int_env(env: Mapping[str, str], name: str) -> int | None:
+    """`env[name]` as an integer; None when unset or empty; a clear error when not a number."""
     value = env.get(name)
     if value is None or value == "":
         return None
@@ -75,7 +76,7 @@ def _int_env(env: Mapping[str, str], name: str) -> int | None:
 
 def _first(env: Mapping[str, str], names: tuple[str, ...]) -> int | None:
     for name in names:
-        value = _int_env(env, name)
+        value = int_env(env, name)
         if value is not None:
             return value
     return None
@@ -84,13 +85,13 @@ def _first(env: Mapping[str, str], names: tuple[str, ...]) -> int | None:
 def world(env: Mapping[str, str], query: PmixQuery = pmix.job) -> World:
     """This process's place in its job, from whichever launcher started it."""
     for source, rank_var, size_var, local_vars, local_size_vars in _SOURCES:
-        rank, size = _int_env(env, rank_var), _int_env(env, size_var)
+        rank, size = int_env(env, rank_var), int_env(env, size_var)
         if source == "slurm" and _slurm_is_outer(env):
             continue
         if rank is not None and size is not None:
             local = _first(env, local_vars)
             if local is None:
-                local = _int_env(env, "LOCAL_RANK") or 0
+                local = int_env(env, "LOCAL_RANK") or 0
             return World(rank, size, local, _first(env, local_size_vars), source)
     if pmix.is_client(env):
         # A PMIx launcher that exports only PMIX_RANK and PMIX_NAMESPACE: its server knows the rest.
