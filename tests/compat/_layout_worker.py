@@ -2,10 +2,11 @@
 
     zerorun --deepspeed-compat --num_gpus 2 --device cpu tests/compat/_layout_worker.py OUTDIR CASE [CASE ...]
 
-A case is ``s{stage}-{fp32|bf16|fp16}[-2g]``: a small model with tied embedding/head weights, a
+A case is ``s{stage}-{fp32|bf16|fp16}[-2g|-async]``: a small model with tied embedding/head weights, a
 persistent buffer, a non-persistent one and a frozen parameter trains 3 steps, then
 ``engine.save_checkpoint(OUTDIR/CASE)`` (zerorun's files + DeepSpeed's) on every rank; ``-2g``:
-two optimizer param groups (weights with decay, biases without and another lr).
+two optimizer param groups (weights with decay, biases without and another lr); ``-async``: the
+save at step 3 is the engine's own asynchronous one (zerorun.checkpoint every_n_steps + async).
 ``load CASE`` (world 1 or more) loads ``OUTDIR/CASE`` into a fresh engine at stage 2 and writes
 the loaded weights to OUTDIR/CASE-loaded.pt. ``crash CASE`` saves after 3 steps, then trains 3
 more and saves again with rank 0 SIGKILLed just before that save's commit
@@ -43,7 +44,7 @@ class Tiny(nn.Module):
         return nn.functional.cross_entropy(self.head(h).flatten(0, 1).float(), ids.flatten())
 
 
-def config(stage: int, precision: str) -> dict:
+def config(stage: int, precision: str, case: str = "") -> dict:
     cfg: dict = {
         "train_micro_batch_size_per_gpu": 2,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
@@ -51,6 +52,8 @@ def config(stage: int, precision: str) -> dict:
     }
     if precision != "fp32":
         cfg[precision] = {"enabled": True} if precision == "bf16" else {"enabled": True, "initial_scale_power": 4}
+    if case.endswith("-async"):  # the engine's own asynchronous save at step 3, no explicit one
+        cfg["zerorun"] = {"checkpoint": {"dir": str(OUT / case), "every_n_steps": 3, "async": True}}
     return cfg
 
 
@@ -66,7 +69,8 @@ def train_and_save(case: str, crash: bool = False) -> None:
     stage, precision = int(case[1]), case.split("-")[1]
     torch.manual_seed(0)
     model = Tiny()
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=parameters(model, case), config=config(stage, precision))
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=parameters(model, case),
+                                      config=config(stage, precision, case))
     g = torch.Generator().manual_seed(10 + engine.global_rank)
     for attempt in range(2 if crash else 1):
         for _ in range(3):
@@ -75,7 +79,10 @@ def train_and_save(case: str, crash: bool = False) -> None:
             engine.step()
         if attempt == 1:
             os.environ["ZERORUN_CHECKPOINT_CRASH"] = "0:before_commit"
-        engine.save_checkpoint(str(OUT / case))
+        if not case.endswith("-async"):
+            engine.save_checkpoint(str(OUT / case))
+    if engine.zerorun_engine.checkpointing is not None:
+        engine.zerorun_engine.checkpointing.wait()  # the asynchronous save committed
     engine.destroy()
 
 

@@ -25,7 +25,7 @@ from zerorun.runtime.checkpoint import get_fp32_state_dict
 
 from ._run import PYTHON, env, launch
 
-CASES = ["s0-fp32", "s1-bf16", "s3-fp16", "s2-fp32-2g", "s3-bf16-2g"]
+CASES = ["s0-fp32", "s1-bf16", "s3-fp16", "s2-fp32-2g", "s3-bf16-2g", "s2-bf16-async"]
 CRASHED = "s2-bf16"
 
 
@@ -167,7 +167,7 @@ def test_zerorun_loads_its_own_files_there_at_another_world_size(saved: Path) ->
 
 
 
-@pytest.mark.parametrize("case", ["s1-bf16", "s3-fp16", "s2-fp32-2g", "s3-bf16-2g"])
+@pytest.mark.parametrize("case", ["s1-bf16", "s3-fp16", "s2-fp32-2g", "s3-bf16-2g", "s2-bf16-async"])
 def test_optimizer_states_round_trip(saved: Path, case: str) -> None:
     from zerorun.runtime.checkpoint import CheckpointReader
     from zerorun.runtime.checkpoint.deepspeed_layout import read_optim_states

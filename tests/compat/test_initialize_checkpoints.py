@@ -67,6 +67,11 @@ def test_periodic_saves_and_preemption_act_through_the_deepspeed_engine(tmp_path
     assert sorted(p.name for p in ckpt.iterdir() if p.is_dir()) == [f"global_step{s}" for s in (2, 4, 6, 8)]
     assert (ckpt / "latest").read_text() == "global_step8"
     assert "not acted on under --deepspeed-compat" not in err
+    # The periodic saves carry DeepSpeed's files too, written before each commit (stage 2, fp32).
+    assert sorted(p.name for p in (ckpt / "global_step8").glob("*_states.pt")) == [
+        "mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+        "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
+    assert (ckpt / "zero_to_fp32.py").is_file()
 
     run = tmp_path / "run"
     run.mkdir()

@@ -162,8 +162,10 @@ class AsyncSaver:
         *,
         client_state: dict[str, Any] | None = None,
         on_commit: Callable[[], None] | None = None,
+        before_commit: Callable[[Path, int], None] | None = None,
     ) -> None:
-        """Snapshot `view` (an `EngineCheckpointView`) and start writing it in the background."""
+        """Snapshot `view` (an `EngineCheckpointView`) and start writing it in the background
+        (`before_commit`: sharded.save_checkpoint's, run in the writer thread)."""
         self.wait()
         t0 = time.perf_counter()
         rank, world = view.rank, view.world_size
@@ -179,7 +181,7 @@ class AsyncSaver:
         client = copy.deepcopy(dict(client_state or {}))
         self._thread = threading.Thread(
             target=self._write,
-            args=(snap, Path(save_dir), tag, client, rng, on_commit),
+            args=(snap, Path(save_dir), tag, client, rng, on_commit, before_commit),
             name="zerorun-checkpoint-writer",
             # Not a daemon: an interpreter that exits waits for the commit (all ranks do, so the
             # writer's collectives complete) instead of leaving a half-written save behind.
@@ -215,10 +217,11 @@ class AsyncSaver:
         client_state: dict[str, Any],
         rng: dict[str, Any],
         on_commit: Callable[[], None] | None,
+        before_commit: Callable[[Path, int], None] | None = None,
     ) -> None:
         t0 = time.perf_counter()
         try:
-            save_checkpoint(snap, save_dir, tag, client_state, save_latest=True, rng=rng)
+            save_checkpoint(snap, save_dir, tag, client_state, save_latest=True, rng=rng, before_commit=before_commit)
             if on_commit is not None:
                 on_commit()
         except BaseException as err:  # noqa: BLE001 - handed to the training thread

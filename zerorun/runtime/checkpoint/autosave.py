@@ -25,6 +25,7 @@ import shutil
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -139,6 +140,9 @@ class EngineCheckpointing:
             self.saver = AsyncSaver(side_group(pg_timeout_s), engine.device)
         self.preemption = _PreemptionWatch(engine) if options.save_on_preemption else None
         self.last_save: dict[str, Any] | None = None
+        # Files added to every save before its commit (sharded.save_checkpoint): the compat
+        # layer's DeepSpeed layout under --deepspeed-compat.
+        self.before_commit: Callable[[Path, int], None] | None = None
 
     # -- resume -------------------------------------------------------------------------------
     def resume(self) -> str | None:
@@ -190,11 +194,11 @@ class EngineCheckpointing:
                     log.info("zerorun: removed old checkpoint %s (keep_last %d)", p, keep)
 
         if asynchronous and self.saver is not None:
-            self.saver.save(view, save_dir, tag, on_commit=prune)
+            self.saver.save(view, save_dir, tag, on_commit=prune, before_commit=self.before_commit)
             self.last_save = {"tag": tag, "async": True, "stall_s": self.saver.last_stall_s}
         else:
             self.wait()
-            save_checkpoint(view, save_dir, tag)
+            save_checkpoint(view, save_dir, tag, before_commit=self.before_commit)
             prune()
             self.last_save = {"tag": tag, "async": False}
         if events.connected():

@@ -127,7 +127,8 @@ def save_checkpoint(
     `before_commit(tmp_dir, rank)`: called on every rank once every rank's files are in the
     temporary tag directory (readable there with `CheckpointReader`), before rank 0 renames it
     into place and moves `latest`: files it adds there (compat's DeepSpeed layout) are committed
-    with the rest or not at all. Its OSError / CheckpointError fails the save like a shard's."""
+    with the rest or not at all. Any exception it raises fails the save on every rank like a
+    shard's (the tag is not committed, `latest` stays)."""
     comm = _Comm(view)
     meta = view.checkpoint_meta()
     tag = str(tag) if tag is not None else default_tag(meta)
@@ -195,8 +196,10 @@ def save_checkpoint(
     if before_commit is not None:
         try:
             before_commit(tmp, comm.rank)
-        except (OSError, CheckpointError) as err:
-            error = f"rank {comm.rank}: {err}"
+        except Exception as err:  # noqa: BLE001 - every rank must reach the gather below, or they hang
+            error = f"rank {comm.rank}: {err}" if isinstance(err, (OSError, CheckpointError)) else (
+                f"rank {comm.rank}: {type(err).__name__}: {err}"
+            )
         try:
             errors = [e for e in comm.all_gather_object(error) if e is not None]
         except RuntimeError as err:

@@ -68,6 +68,9 @@ class DeepSpeedEngine(nn.Module):
         # start from 0.0 and set the norm only after the overflow check). An applied step's norm
         # stays the device tensor until get_global_grad_norm() reads it: no host sync per step.
         self._grad_norm: torch.Tensor | float | None = None
+        if getattr(engine, "checkpointing", None) is not None:
+            # The engine's own saves (every_n_steps, preemption, async) carry DeepSpeed's files too.
+            engine.checkpointing.before_commit = self._write_deepspeed_layout
         if not evaluation_only:
             # DeepSpeed's ZeRO optimizers carry `overflow`; accelerate reads it after each step
             # to decide whether the Trainer's scheduler steps.
@@ -322,10 +325,14 @@ class DeepSpeedEngine(nn.Module):
 
     def _write_deepspeed_layout(self, tmp_tag_dir: Path, rank: int) -> None:
         from zerorun.runtime.checkpoint import deepspeed_layout
+        from zerorun.runtime.checkpoint.format import ENGINE_STATE_FILE
 
-        scaler = self._engine.loss_scaler  # DeepSpeed's scaler object for its loader, from zerorun's
-        ds_scaler = deepspeed_layout.loss_scaler_object(scaler.scale, dynamic=scaler.dynamic, state={
-            **scaler.state_dict(), "window": scaler.window, "min_scale": scaler.min_scale, "hysteresis": scaler.hysteresis,
+        # DeepSpeed's scaler object for its loader: the saved scaler state (an asynchronous save
+        # writes a snapshot while training goes on) with the scaler's fixed settings.
+        scaler = self._engine.loss_scaler
+        saved = torch.load(tmp_tag_dir / ENGINE_STATE_FILE, map_location="cpu", weights_only=False)["loss_scaler"]
+        ds_scaler = deepspeed_layout.loss_scaler_object(saved["scale"], dynamic=bool(saved["dynamic"]), state={
+            **saved, "window": scaler.window, "min_scale": scaler.min_scale, "hysteresis": scaler.hysteresis,
             "consecutive_hysteresis": scaler.consecutive_hysteresis, "raise_error_at_min_scale": scaler.raise_error_at_min_scale,
         })
         deepspeed_layout.write_rank_files(
