@@ -47,3 +47,28 @@ def test_pmix_server_answers_under_mpirun() -> None:
         assert (t["RANK"], t["WORLD_SIZE"], t["LOCAL_RANK"], t["LOCAL_WORLD_SIZE"]) == (str(rank), "2", str(rank), "2")
         assert t["MASTER_ADDR"] == "127.0.0.1"
     assert by_rank[0]["torchrun"]["MASTER_PORT"] == by_rank[1]["torchrun"]["MASTER_PORT"] != "29500"
+
+
+def test_a_library_without_pmix_is_passed_over(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ZERORUN_PMIX_LIBRARY naming a library that is not libpmix (here the C library) is skipped
+    like a missing one: no AttributeError out of the shim in every rank."""
+    import ctypes
+
+    from zerorun.runtime import pmix
+
+    monkeypatch.setenv("ZERORUN_PMIX_LIBRARY", "libc.so.6")
+    monkeypatch.setattr(pmix.ctypes.util, "find_library", lambda name: None)
+    tried: list[str] = []
+    real_cdll = ctypes.CDLL
+
+    def cdll(name: str) -> ctypes.CDLL:
+        tried.append(name)
+        if name != "libc.so.6":
+            raise OSError(f"{name}: not here")  # no system libpmix either
+        return real_cdll(name)
+
+    monkeypatch.setattr(pmix.ctypes, "CDLL", cdll)
+    assert pmix._library() is None
+    assert tried[0] == "libc.so.6"
+    monkeypatch.setattr(pmix, "_cache", {})
+    assert pmix.job({"PMIX_NAMESPACE": "job1", "PMIX_RANK": "0"}) is None

@@ -66,14 +66,19 @@ def is_client(env: Mapping[str, str]) -> bool:
 
 
 def _library() -> ctypes.CDLL | None:
+    """libpmix: ZERORUN_PMIX_LIBRARY (a path or soname) if set, else the system's. A library
+    without the PMIx client calls (a wrong path) is passed over like a missing one: looking up
+    an absent symbol raises AttributeError, a traceback in every rank of the user's mpirun."""
     names = [os.environ.get("ZERORUN_PMIX_LIBRARY"), ctypes.util.find_library("pmix"), "libpmix.so.2", "libpmix.so"]
     for name in names:
         if not name:
             continue
         try:
-            return ctypes.CDLL(name)
+            lib = ctypes.CDLL(name)
         except OSError:
             continue
+        if all(hasattr(lib, f) for f in ("PMIx_Init", "PMIx_Get", "PMIx_Finalize")):
+            return lib
     return None
 
 
