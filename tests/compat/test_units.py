@@ -11,12 +11,8 @@ import pytest
 import torch
 
 from zerorun.compat.deepspeed import add_config_arguments
-from zerorun.compat.deepspeed._initialize import (
-    NO_PERIODIC_PRINTS,
-    _config_dict,
-    _runtime_view,
-    check_not_accelerate_on_cpu_ranks,
-)
+from zerorun.compat.deepspeed._config_view import NO_PERIODIC_PRINTS, runtime_view
+from zerorun.compat.deepspeed._initialize import _config_dict, check_not_accelerate_on_cpu_ranks
 from zerorun.compat.deepspeed.checkpoint.utils import clone_tensors_for_torch_save
 from zerorun.compat.deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
 from zerorun.compat.deepspeed.runtime.lr_schedules import VALID_LR_SCHEDULES
@@ -84,8 +80,8 @@ def test_config_comes_from_where_deepspeed_takes_it(tmp_path: Path, monkeypatch:
     monkeypatch.setenv("ZERORUN_CONFIG_JSON", json.dumps(given))
     assert _config_dict(argparse.Namespace(), None, None) == given
     # accelerate's "never print": a step count no run reaches (test_initialize_steps_per_print.py).
-    assert _runtime_view({"steps_per_print": float("inf"), "a": 1}) == {"steps_per_print": NO_PERIODIC_PRINTS, "a": 1}
-    assert _runtime_view({"steps_per_print": 5})["steps_per_print"] == 5
+    assert runtime_view({"steps_per_print": float("inf"), "a": 1}) == {"steps_per_print": NO_PERIODIC_PRINTS, "a": 1}
+    assert runtime_view({"steps_per_print": 5})["steps_per_print"] == 5
 
 
 def test_accelerate_on_several_cpu_ranks_is_refused_with_the_reason() -> None:

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from zerorun.compat.deepspeed._config_view import runtime_view
 from zerorun.compat.deepspeed._surface import unsupported
 from zerorun.compat.deepspeed.runtime.engine import DeepSpeedEngine
 from zerorun.errors import RuntimeConfigError
@@ -50,22 +50,6 @@ def _config_dict(args: Any, config: Any, config_params: Any) -> dict[str, Any]:
     if isinstance(source, (str, Path)):
         return load_config(source).config.to_dict()
     return getattr(source, "config", source).to_dict()
-
-
-# A step count no run reaches: `steps_per_print` this large means no periodic prints (report.py
-# prints at step % steps_per_print == 0, and reads pending steps every MAX_PENDING steps anyway).
-NO_PERIODIC_PRINTS = sys.maxsize
-
-
-def _runtime_view(cfg: dict[str, Any]) -> dict[str, Any]:
-    """The config zerorun's runtime gets. accelerate writes ``steps_per_print: inf`` to mean
-    "never print" (DeepSpeed then prints no step lines); zerorun's runtime, like DeepSpeed, would
-    print rank 0's ``[Rank 0] step=...`` line every `steps_per_print` steps, so inf (or any value
-    past NO_PERIODIC_PRINTS) becomes NO_PERIODIC_PRINTS rather than being refused as not a count."""
-    value = cfg.get("steps_per_print")
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > NO_PERIODIC_PRINTS:
-        cfg = dict(cfg, steps_per_print=NO_PERIODIC_PRINTS)
-    return cfg
 
 
 def _elementwise_standin(optimizer: Any) -> bool:
@@ -172,7 +156,7 @@ def initialize(
         # On zerorun's CPU ranks accelerate is patched to count every process (accelerate_cpu.py).
         if not accelerate_cpu.wanted():
             check_not_accelerate_on_cpu_ranks(dict(os.environ), torch.distributed.get_world_size(), cuda)
-    runtime_cfg = _runtime_view(cfg)
+    runtime_cfg = runtime_view(cfg)
     if optimizer is not None and _elementwise_standin(optimizer):
         runtime_cfg = dict(runtime_cfg, zero_allow_untested_optimizer=True)
     from zerorun.compat.deepspeed.runtime.zero.partition_parameters import deepspeed_state_dict_semantics

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from zerorun import zero as _zero
+from zerorun.compat.deepspeed._config_view import runtime_view
 from zerorun.compat.deepspeed._surface import module_getattr
 from zerorun.compat.deepspeed.accelerator import get_accelerator
 from zerorun.config import ZerorunConfig
@@ -74,11 +75,10 @@ def _validated(cfg: object) -> ZerorunConfig:
     if isinstance(inner, ZerorunConfig):
         return inner
     if isinstance(inner, (dict, str, Path)):
-        from zerorun.compat.deepspeed._initialize import _runtime_view
         from zerorun.config import load_config
 
         # The view deepspeed.initialize validates (accelerate's steps_per_print: inf, ...).
-        return load_config(_runtime_view(inner) if isinstance(inner, dict) else inner).config
+        return load_config(runtime_view(inner) if isinstance(inner, dict) else inner).config
     raise RuntimeConfigError(
         f"deepspeed.zero.Init: config_dict_or_path must be a config dict or a path to a config file, not "
         f"{type(cfg).__name__}"
