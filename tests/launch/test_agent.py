@@ -106,3 +106,65 @@ def test_a_storm_of_sigterms_is_handled_off_the_signal_handler(tmp_path: Path) -
     assert err.count("got SIGTERM; the ranks save and exit (25 s)") == 1, err
     assert "got SIGHUP; killed this node's ranks" in err, err
     assert "Traceback" not in err and "reentrant" not in err, err
+
+
+def test_an_agent_whose_stderr_is_gone_still_kills_its_ranks_and_exits(tmp_path: Path) -> None:
+    """Over SSH the agent's stderr is the connection's: when the connection goes, printing the
+    reason raises EPIPE. A real agent and rank, the agent's stderr closed by the reader, then the
+    launcher falls silent (stdin left open): the watchdog thread must still kill the rank and end
+    the agent with status 3 (it used to raise out of die() on that thread before exiting, leaving
+    the agent running for good with its death lock held)."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from _launch import REPO, base_env
+
+    from zerorun.launch import wire
+    from zerorun.launch.hosts import Host
+    from zerorun.launch.plan import DeviceInfo, LaunchOptions, Target, build_plan
+
+    pid_file = tmp_path / "rank.pid"
+    script = tmp_path / "sleeper.py"
+    script.write_text(
+        f"import os, time\nopen({str(pid_file)!r}, 'w').write(str(os.getpid()))\ntime.sleep(120)\n"
+    )
+    options = LaunchOptions(target=Target(script=str(script)), device="cpu")
+    plan = build_plan(
+        options, [Host("localhost", (0,))], DeviceInfo(gpus=(), cores=2), master_port=29500, run_id="agent-epipe",
+        cwd=str(tmp_path),
+    )
+    env, _tag = base_env()
+    agent = subprocess.Popen(
+        [sys.executable, "-m", "zerorun.launch.agent"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE, env=env, cwd=REPO,
+    )
+    assert agent.stdin is not None and agent.stderr is not None
+    try:
+        agent.stdin.write(wire.encode("plan", plan=wire.plan_to_dict(plan, 0), node_rank=0, heartbeat_s=0.2,
+                                      heartbeat_timeout_s=2.0))  # fmt: skip
+        agent.stdin.flush()
+        deadline = time.monotonic() + 60
+        while not pid_file.exists() or not pid_file.read_text():
+            assert time.monotonic() < deadline and agent.poll() is None, "the rank did not start"
+            time.sleep(0.05)
+        rank_pid = int(pid_file.read_text())
+        agent.stderr.close()  # the connection's stderr is gone; no more messages from the launcher
+        assert agent.wait(timeout=30) == 3
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                with open(f"/proc/{rank_pid}/stat") as f:
+                    if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                        break  # killed; waiting for a reaper
+            except FileNotFoundError:
+                break
+            time.sleep(0.05)
+        else:
+            os.kill(rank_pid, 9)
+            raise AssertionError("the rank outlived its agent")
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+            agent.wait()

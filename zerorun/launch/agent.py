@@ -125,6 +125,15 @@ class LineBatcher:
             self.channel.write(data)
 
 
+def _say(text: str) -> None:
+    """A line on the agent's stderr, which may be gone: over SSH it is the connection's stderr,
+    closed with it (EPIPE), exactly when the agent has to kill its ranks and exit."""
+    try:
+        print(text, file=sys.stderr, flush=True)
+    except (OSError, ValueError):
+        pass
+
+
 class Agent:
     """One node's agent. `exit` ends it (the process, normally; the scale simulation hosts many
     agents in one process and closes the agent's channel instead); `runner_factory(plan, node)`
@@ -156,14 +165,18 @@ class Agent:
         """Kill every rank and exit the process now (from any thread)."""
         if not self._dying.acquire(blocking=False):
             return
-        if self.runner is not None:
-            try:
-                self.runner.kill()
-            except Exception as err:  # noqa: BLE001 - exiting anyway
-                print(f"zerorun agent: kill failed: {err}", file=sys.stderr)
-        print(f"zerorun agent on {socket.gethostname()}: {why}", file=sys.stderr, flush=True)
-        self.dead = True
-        self._exit(code)
+        try:
+            if self.runner is not None:
+                try:
+                    self.runner.kill()
+                except Exception as err:  # noqa: BLE001 - exiting anyway
+                    _say(f"zerorun agent: kill failed: {err}")
+            _say(f"zerorun agent on {socket.gethostname()}: {why}")
+        finally:
+            # Whatever happened above: a die() that returned would leave the agent running with
+            # `_dying` held, and every later die() (EOF, heartbeat) a no-op.
+            self.dead = True
+            self._exit(code)
 
     def preempt(self) -> None:
         """SIGTERM with --save_on_preemption: the ranks save and exit by themselves (their exits
@@ -175,8 +188,7 @@ class Agent:
         if self._preempting:
             return  # the ranks have their SIGTERM and the grace is running
         self._preempting = True
-        print(f"zerorun agent on {socket.gethostname()}: got SIGTERM; the ranks save and exit ({grace:g} s)",
-              file=sys.stderr, flush=True)
+        _say(f"zerorun agent on {socket.gethostname()}: got SIGTERM; the ranks save and exit ({grace:g} s)")
         self.runner.signal(signal.SIGTERM, tree=False)
         timer = threading.Timer(grace, self.die, args=(f"the ranks did not exit within {grace:g} s of SIGTERM; killed them",))
         timer.daemon = True
@@ -243,6 +255,8 @@ class Agent:
             line = stdin.readline()
             if not line:
                 self.die("the launcher closed the connection; killed this node's ranks")
+                time.sleep(0.1)  # die() returned: another thread is ending the process; do not spin on EOF
+                continue
             self.last_heard = time.monotonic()
             msg = wire.decode(line)
             if msg is not None:
