@@ -6,13 +6,14 @@ import logging
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 
 from zerorun.errors import CheckpointError
 from zerorun.runtime.checkpoint import atomic
 from zerorun.runtime.checkpoint.format import ParamInfo
-from zerorun.runtime.checkpoint.sharded import _check_compatible, _check_tag, resolve_tag
+from zerorun.runtime.checkpoint.sharded import _check_compatible, _check_tag, _Comm, resolve_tag
 
 from ._layout import meta_for, model_state
 
@@ -129,3 +130,17 @@ def test_a_tag_left_only_under_its_replaced_name_is_put_back(tmp_path):
     removed = atomic.remove_stale_tmp_dirs(tmp_path)
     assert [p.name for p in removed] == [f"{atomic.TMP_PREFIX}global_step4"]
     assert (tmp_path / "global_step4").is_dir()
+
+
+def test_a_save_phase_fails_on_every_rank_with_the_ranks_messages_or_the_lost_rank(monkeypatch):
+    comm = _Comm(SimpleNamespace(rank=0, world_size=1, process_group=None))
+    comm.agree(None, "checkpoint save to d failed", "before its files were written", "latest untouched")
+    with pytest.raises(CheckpointError, match=r"^checkpoint save to d failed: rank 0: disk full; latest untouched$"):
+        comm.agree("rank 0: disk full", "checkpoint save to d failed", "before its files were written", "latest untouched")
+
+    def lost(obj):
+        raise RuntimeError("connection closed by peer")
+
+    monkeypatch.setattr(comm, "all_gather_object", lost)
+    with pytest.raises(CheckpointError, match=r"a rank stopped while adding its files \(connection closed by peer\)"):
+        comm.agree(None, "checkpoint save to d failed", "while adding its files", "latest untouched")

@@ -89,6 +89,16 @@ class _Comm:
         self._dist.all_gather_object(out, obj, group=self.group)
         return out
 
+    def agree(self, error: str | None, failed: str, when: str, untouched: str) -> None:
+        """Every rank's outcome of a save phase: raise on all of them if any rank failed (its
+        message), or if a rank is gone (the collective raises; ``when`` says at which point)."""
+        try:
+            errors = [e for e in self.all_gather_object(error) if e is not None]
+        except RuntimeError as err:
+            raise CheckpointError(f"{failed}: a rank stopped {when} ({err}); {untouched}") from err
+        if errors:
+            raise CheckpointError(f"{failed}: {'; '.join(errors[:4])}; {untouched}")
+
     def broadcast_object(self, obj: Any) -> Any:
         if self._dist is None:
             return obj
@@ -185,14 +195,7 @@ def save_checkpoint(
     # A rank that died before here makes this collective raise on the others. Either way the
     # temporary directory stays behind (cleaned by the next save) and `latest` is untouched.
     untouched = f"the previous checkpoint and {root / 'latest'} are untouched"
-    try:
-        errors = [e for e in comm.all_gather_object(error) if e is not None]
-    except RuntimeError as err:
-        raise CheckpointError(
-            f"checkpoint save to {final} failed: a rank stopped before its files were written ({err}); {untouched}"
-        ) from err
-    if errors:
-        raise CheckpointError(f"checkpoint save to {final} failed: {'; '.join(errors[:4])}; {untouched}")
+    comm.agree(error, f"checkpoint save to {final} failed", "before its files were written", untouched)
     if before_commit is not None:
         try:
             before_commit(tmp, comm.rank)
@@ -200,14 +203,7 @@ def save_checkpoint(
             error = f"rank {comm.rank}: {err}" if isinstance(err, (OSError, CheckpointError)) else (
                 f"rank {comm.rank}: {type(err).__name__}: {err}"
             )
-        try:
-            errors = [e for e in comm.all_gather_object(error) if e is not None]
-        except RuntimeError as err:
-            raise CheckpointError(
-                f"checkpoint save to {final} failed: a rank stopped while adding its files ({err}); {untouched}"
-            ) from err
-        if errors:
-            raise CheckpointError(f"checkpoint save to {final} failed: {'; '.join(errors[:4])}; {untouched}")
+        comm.agree(error, f"checkpoint save to {final} failed", "while adding its files", untouched)
 
     # Phase 3: rank 0 commits: rename into place, then `latest`.
     if comm.rank == 0:
