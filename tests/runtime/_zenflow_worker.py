@@ -76,6 +76,7 @@ class Net(nn.Module):
         return F.cross_entropy(self.head(h).float().view(-1, VOCAB), targets.view(-1))
 
 
+SHAPES = {n: tuple(p.shape) for n, p in Net().named_parameters()}
 DEVICE = torch.device("cpu")  # the training device: run() sets it to the engine's
 
 
@@ -124,6 +125,7 @@ def reference(
     zf: tuple,
     ranges: dict[str, list[tuple[int, int]]],
     world: int,
+    engine_masks: list[dict[str, torch.Tensor]] | None = None,
 ) -> dict:
     """zerorun's ZenFlow rule, plainly: AdamW on masked elements of whole parameters. Columns of
     a parameter of 2+ dimensions: its last dimension; 1-D parameters always important. The
@@ -132,7 +134,13 @@ def reference(
     update_interval steps and before a re-selection (the host counter); selection = top ceil(topk * C) squared column norms of the
     step's clipped gradient, chosen separately in each rank's part of the parameter (`ranges`:
     name -> the [lo, hi) of its flattened values each rank holds, from the flat layouts). The
-    gradient is the mean over the `world` ranks' batches (losses: rank 0's batch)."""
+    gradient is the mean over the `world` ranks' batches (losses: rank 0's batch).
+
+    With `engine_masks` (the engine's important elements at each selection, name -> flat bool),
+    the reference checks that the engine chose a top-k by its own scores -- up to near-ties:
+    `violation` is the largest (k-th score - chosen score) / k-th score -- and continues with the
+    engine's choice, so the update rule is compared exactly even where the two sides' gradients
+    differ in the last bits (bf16 matmuls with other kernels on a GPU) and a near-tie flips."""
     topk, interval, update, warm = zf
     master = model
     compute = copy.deepcopy(master).to(dtype) if dtype != torch.float32 else master
@@ -142,7 +150,7 @@ def reference(
     m = [torch.zeros_like(p) for p in ps]
     v = [torch.zeros_like(p) for p in ps]
     acc = [torch.zeros_like(p) for p in ps]
-    state = {"slow": 0, "fast": 0, "count": 0, "zf": 0}
+    state: dict[str, Any] = {"slow": 0, "fast": 0, "count": 0, "zf": 0, "selections": 0, "mismatches": 0, "violation": 0.0}
     important: list[torch.Tensor] = []
 
     def adamw(masks: list[torch.Tensor], grads: list[torch.Tensor], t: int, lr: float = LR) -> None:
@@ -155,6 +163,29 @@ def reference(
                 p[mask] = p[mask] - lr / (1 - B1**t) * mm[mask] / denom
 
     def select(grads: list[torch.Tensor]) -> list[torch.Tensor]:
+        own = _select(grads)
+        if engine_masks is None:
+            return own
+        adopted = engine_masks[state["selections"]]
+        state["selections"] += 1
+        out = []
+        for name, g, mine in zip(names, grads, own, strict=True):
+            theirs = adopted[name].to(g.device).view(g.shape) if name in adopted else mine
+            state["mismatches"] += int(not torch.equal(theirs, mine))
+            if g.dim() >= 2:
+                cols, flat, chosen_flat = g.shape[-1], g.reshape(-1), theirs.reshape(-1)
+                for lo, hi in ranges[name]:
+                    col = torch.arange(lo, hi, device=g.device) % cols
+                    score = torch.zeros(cols, device=g.device).index_add_(0, col, flat[lo:hi] ** 2)
+                    kth = torch.topk(score, min(cols, max(1, math.ceil(topk * cols)))).values[-1]
+                    picked = col[chosen_flat[lo:hi]].unique()
+                    if picked.numel() and float(kth) > 0:
+                        worst = float((kth - score[picked].min()) / kth)
+                        state["violation"] = max(state["violation"], worst)
+            out.append(theirs)
+        return out
+
+    def _select(grads: list[torch.Tensor]) -> list[torch.Tensor]:
         out = []
         for name, g in zip(names, grads, strict=True):
             if g.dim() < 2:
@@ -223,6 +254,8 @@ def reference(
                     c.copy_(p)
     return {
         "losses": losses,
+        "selection_violation": state["violation"],
+        "selection_mismatches": state["mismatches"],
         "master": {n: p.detach().cpu().clone() for n, p in zip(names, ps, strict=True)},
         "compute": {n: p.detach().float().cpu().clone() for n, p in compute.named_parameters()},
     }
@@ -253,6 +286,31 @@ def exact_losses(model: nn.Module, dtype: torch.dtype, clip: float, accum: int, 
     return losses
 
 
+def _important_elements(engine: Any, placement: Any, rank: int) -> dict[str, list[int]]:
+    """The placement's important elements now, as indices into each parameter's flattened
+    values (this rank's shard; one-dimensional parameters left out: always important)."""
+    out: dict[str, list[int]] = {}
+    for i, layout in enumerate(engine.stage.state.layouts):
+        idx = placement._idx[i]
+        if idx is None:
+            continue
+        start, end = layout.shard_range(engine.stage.state.shard_index)
+        idx = idx.cpu()
+        for slot, lo, hi in layout.pieces_in_range(start, end):
+            if len(slot.shape) < 2:
+                continue
+            off = slot.offset + lo - start
+            inside = idx[(idx >= off) & (idx < off + hi - lo)]
+            out.setdefault(slot.name, []).extend((inside - off + lo).tolist())
+    return out
+
+
+def _mask(name: str, elements: list[int]) -> torch.Tensor:
+    mask = torch.zeros(math.prod(SHAPES[name]), dtype=torch.bool)
+    mask[torch.tensor(elements, dtype=torch.long)] = True
+    return mask
+
+
 def run(name: str) -> dict:
     stage, dtype, clip, accum, steps, zf = CASES[name]
     torch.manual_seed(7)
@@ -273,12 +331,24 @@ def run(name: str) -> dict:
             for slot, lo, hi in layout.pieces_in_range(*layout.shard_range(r)):
                 ranges.setdefault(slot.name, []).append((lo, hi))
     losses = []
+    selections: list[dict[str, list[int]]] = []  # this rank's important elements at each selection
     for step in range(steps):
         for micro in range(accum):
             loss = engine(*batch(step, micro, rank))
             losses.append(loss.item())
             engine.backward(loss)
             engine.step()
+        if placement.selections > len(selections):
+            selections.append(_important_elements(engine, placement, rank))
+    every: list = [None] * world
+    torch.distributed.all_gather_object(every, selections)
+    engine_masks = [
+        {
+            name: _mask(name, [e for r in range(world) for e in every[r][k].get(name, [])])
+            for name in every[0][k]
+        }
+        for k in range(len(selections))
+    ]
     masters = _models.full_masters(engine)
     if stage == 3:
         with zerorun.zero.GatheredParameters(list(model.parameters())):
@@ -301,7 +371,7 @@ def run(name: str) -> dict:
     if rank != 0:
         return info
     # The reference runs on the training device too (the same matmul kernels as the engine).
-    ref = reference(ref_model.to(DEVICE), DTYPES[dtype], clip, accum, steps, zf, ranges, world)
+    ref = reference(ref_model.to(DEVICE), DTYPES[dtype], clip, accum, steps, zf, ranges, world, engine_masks)
     exact = exact_losses(exact_model.to(DEVICE), DTYPES[dtype], clip, accum, steps, world)
 
     def err(a: torch.Tensor, b: torch.Tensor) -> list[float]:
@@ -314,6 +384,9 @@ def run(name: str) -> dict:
         "exact_losses": exact,
         "master_err": {n: err(masters[n], ref["master"][n]) for n in ref["master"]},
         "compute_err": {n: err(compute[n], ref["compute"][n]) for n in ref["compute"]},
+        "selection_violation": ref["selection_violation"],
+        "selection_mismatches": ref["selection_mismatches"],
+        "device": DEVICE.type,
     }
 
 

@@ -65,6 +65,13 @@ def test_zenflow_matches_its_reference(results, name: str, world: int) -> None: 
     assert (r["selections"], r["cpu_updates"]) == _schedule(steps, select, update, warm)
     for important, shard in zip(r["important"], r["shard"], strict=True):
         assert 0 < important < shard  # some columns on the device, the rest on the host
+    # Every selection of the engine is a top-k by the reference's own scores, up to near-ties (the
+    # reference then continues with the engine's choice: on a GPU the two sides' bf16 gradients
+    # differ in the last bits, other matmul kernels, and a near-tie may flip); on the CPU the
+    # choices are the very same.
+    assert r["selection_violation"] <= (1e-5 if dtype == "fp32" else 0.05), r["selection_violation"]
+    if r["device"] == "cpu":
+        assert r["selection_mismatches"] == 0
     tol = 1e-5 if dtype == "fp32" else 2.0**-7
     for i, (a, b) in enumerate(zip(r["losses"], r["ref_losses"], strict=True)):
         assert abs(a - b) <= tol * abs(b) + 1e-6, f"loss #{i}: {a} vs reference {b}"
