@@ -61,7 +61,8 @@ def _cudart_unregister(ptr: int, device: int | None = None) -> object:
     # them. Wait for the device first -- buffers are kept for the run, so this costs a sync at
     # teardown only.
     try:
-        torch.cuda.synchronize(device)
+        if not torch.cuda.is_current_stream_capturing():  # (a sync would invalidate a capture)
+            torch.cuda.synchronize(device)
     except Exception:  # interpreter shutdown / no context: nothing left to wait for
         pass
     try:
