@@ -15,9 +15,10 @@ RUNTIME = Path(zerorun.runtime.__file__).parent
 
 # Any in annotations under zerorun/runtime: 180 by this count when issue 12 started (runtime/
 # was 8.3k lines), 244 after it, with the observe/, activations/, async-checkpoint and ZenFlow
-# modules added meanwhile; 213 once stage3/ typed its hooks, model_io and the group's owner (most
-# left: observe/flops.py, activations/checkpoint.py, api.py, engine.py).
-ANY_BUDGET = 213
+# modules added meanwhile; 200 once stage3/ typed its hooks, model_io, zero.Init's patches and the
+# group's owner (most left: observe/flops.py, activations/checkpoint.py, api.py, engine.py). The
+# budget keeps 4 of slack for work landing beside it, as before.
+ANY_BUDGET = 204
 
 
 def any_annotations(root: Path) -> Counter[str]:

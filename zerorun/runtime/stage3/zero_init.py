@@ -32,7 +32,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-from typing import Any
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -208,10 +208,10 @@ class InitContext:
         self.store_device = store_device
         self.dtype = dtype
         self._depth: dict[int, int] = {}
-        self._saved: list[tuple[Any, str, Any]] = []
+        self._saved: list[tuple[object, str, object]] = []
 
     # -- patching -------------------------------------------------------------------------------
-    def _set(self, owner: Any, name: str, value: Any) -> None:
+    def _set(self, owner: object, name: str, value: object) -> None:
         self._saved.append((owner, name, owner.__dict__.get(name, _MISSING)))
         setattr(owner, name, value)
 
@@ -222,7 +222,7 @@ class InitContext:
         ctx = self
 
         @functools.wraps(orig)
-        def __init__(module: nn.Module, *args: Any, **kwargs: Any) -> None:
+        def __init__(module: nn.Module, *args: object, **kwargs: object) -> None:
             key = id(module)
             ctx._depth[key] = ctx._depth.get(key, 0) + 1
             try:
@@ -248,7 +248,7 @@ class InitContext:
         orig_subclass = nn.Module.__dict__.get("__init_subclass__")
 
         @classmethod  # type: ignore[misc]
-        def __init_subclass__(cls: type[nn.Module], **kwargs: Any) -> None:
+        def __init_subclass__(cls: type[nn.Module], **kwargs: object) -> None:
             super(nn.Module, cls).__init_subclass__(**kwargs)
             if InitContext.active is ctx:
                 ctx._wrap_init(cls)
@@ -256,7 +256,7 @@ class InitContext:
         self._set(nn.Module, "__init_subclass__", __init_subclass__)
         del orig_subclass
 
-        def apply(module: nn.Module, fn: Any) -> nn.Module:
+        def apply(module: nn.Module, fn: Callable[[nn.Module], None]) -> nn.Module:
             for child in module.children():
                 child.apply(fn)
             with _Gathered(list(module.parameters(recurse=False))):
@@ -287,9 +287,9 @@ class _Missing:
 _MISSING = _Missing()
 
 
-def _gathering_init(orig: Any) -> Any:
+def _gathering_init(orig: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     @functools.wraps(orig)
-    def init_fn(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    def init_fn(tensor: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
         if getattr(tensor, "_zerorun_init", None) is None:
             return orig(tensor, *args, **kwargs)
         with _Gathered([tensor]):  # type: ignore[list-item]
