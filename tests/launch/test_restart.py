@@ -240,6 +240,31 @@ def test_start_failures_that_would_repeat_are_not_retried(tmp_path: Path) -> Non
     assert summary["exit_code"] == 1
 
 
+def test_ctrl_c_while_waiting_to_restart_stops_with_130(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Ctrl-C during the wait before retrying an attempt that could not start: the loop ends there
+    with 130 and says so (it escaped to the CLI, which said "interrupted before the job started"
+    after an attempt had run), and summary.json keeps the attempts with that exit code."""
+    from zerorun.errors import LaunchError
+
+    calls: list[int] = []
+
+    def fake_run_job(options: LaunchOptions) -> JobResult:
+        calls.append(1)
+        if len(calls) == 1:
+            return _result("rank_failed", 137, [{"rc": -9}], first=0)
+        raise LaunchError("node2: connection refused")
+
+    def interrupted(_seconds: float) -> None:
+        raise KeyboardInterrupt
+
+    opts = LaunchOptions(target=Target(script="t.py"), max_restarts=3, log_dir=str(tmp_path))
+    code = run_with_restarts(opts, run_job=fake_run_job, port_is_free=lambda _p: True, sleep=interrupted)
+    assert code == 130 and len(calls) == 2
+    assert "interrupted while waiting to restart; attempt 3/4 not started" in capsys.readouterr().err
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert [a["reason"] for a in summary["attempts"]] == ["rank_failed", "not_started"] and summary["exit_code"] == 130
+
+
 def _wait_for(path_lines: list[tuple[Path, str]], timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -339,7 +339,15 @@ def run_with_restarts(
                 unstarted = len(list(itertools.takewhile(lambda a: a.reason == "not_started", reversed(attempts))))
                 wait = min(_start_retry_wait() * 2 ** (unstarted - 1), _START_RETRY_WAIT_MAX_S)
                 _say(f"attempt {number}/{total} {why}; restarting in {wait:g} s")
-                sleep(wait)
+                try:
+                    sleep(wait)
+                except KeyboardInterrupt:
+                    # Ctrl-C while waiting: no rank runs, so stop here (as during an attempt:
+                    # 130), not with the CLI's "interrupted before the job started".
+                    _say(f"interrupted while waiting to restart; attempt {number + 1}/{total} not started")
+                    if root is not None:
+                        _write_summary(root, attempts, max_restarts, 130)
+                    return 130
                 continue
             if number > 1:
                 _say(budget_message(attempts, max_restarts) if retry else f"attempt {number}/{total} {why}; not retried")
