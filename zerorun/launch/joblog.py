@@ -25,6 +25,7 @@ from zerorun.launch.result import JobResult, RankState
 __all__ = ["JobLog"]
 
 _EVENT = -1  # the pending list's rank for an events.jsonl record
+_RUNS = -2  # ... for a batch of runs of rank lines
 _WRITE_EVERY_S = 0.1  # lines reach the disk at most this late (and at close)
 _WAKE_AT = 20_000  # pending lines that wake the writer at once
 _FLUSH_EVERY_S = 1.0  # written files are flushed at most this often (and at close)
@@ -38,7 +39,7 @@ class JobLog:
         self.run_id = run_id
         self._files: dict[int, TextIO | None] = {}
         self._events: TextIO | None = None
-        # (rank, line), (rank, [line, ...]) or (_EVENT, (rank, event)); and how many lines
+        # (rank, line), (_RUNS, [run, ...]) or (_EVENT, (rank, event)); and how many lines
         self._pending: list[tuple[int, Any]] = []
         self._pending_lines = 0
         self._lock = threading.Lock()
@@ -64,12 +65,13 @@ class JobLog:
                 self._pending.append((rank, text))
                 self._pending_lines += 1
 
-    def lines(self, rank: int, lines: Sequence[str]) -> None:
-        """A run of a rank's lines (kept as the run: written with one join, not per line)."""
-        if rank in self._files and lines:
+    def runs(self, runs: Sequence[Any], lines: int) -> None:
+        """A batch's runs of rank lines (`RankLines`/`RankOutput`: `.rank`, `.lines`), `lines`
+        lines in all: one hand-over per batch; the writer thread writes each run with one join."""
+        if runs and self._files:
             with self._lock:
-                self._pending.append((rank, lines))
-                self._pending_lines += len(lines)
+                self._pending.append((_RUNS, runs))
+                self._pending_lines += lines
 
     def event(self, rank: int, event: Mapping[str, Any]) -> None:
         if self._events is not None:
@@ -140,8 +142,15 @@ class JobLog:
                     if self._events is not None:
                         self._events.write(json.dumps({"rank": r, **ev}, default=str) + "\n")
                     continue
-                f = self._files[rank] or self._file(rank)
-                f.write(item + "\n" if type(item) is str else "\n".join(item) + "\n")
+                if rank == _RUNS:
+                    files = self._files
+                    for run in item:
+                        r = run.rank
+                        if r in files and run.lines:
+                            (files[r] or self._file(r)).write("\n".join(run.lines) + "\n")
+                            dirty.add(r)
+                    continue
+                (self._files[rank] or self._file(rank)).write(item + "\n")
                 dirty.add(rank)
             now = time.monotonic()
             if now - self._flushed_at >= _FLUSH_EVERY_S or self._stop:

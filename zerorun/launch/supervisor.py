@@ -231,10 +231,13 @@ class Supervisor:
 
     def _handle(self, batch: Sequence[Message]) -> None:
         lines: list[RankLines | RankOutput] = []
+        runs: list[RankLines | RankOutput] = []  # the batch's, for the log files: one hand-over
+        count = 0
         for msg in batch:
             if isinstance(msg, (RankLines, RankOutput)):
-                self._on_output(msg)
+                count += self._on_output(msg)
                 lines.append(msg)
+                runs.append(msg)
                 continue
             if lines:
                 self.console.output(lines)
@@ -252,20 +255,21 @@ class Supervisor:
         if lines:
             self.console.output(lines)
         if batch and self._joblog is not None:
+            self._joblog.runs(runs, count)
             self._joblog.flush()
 
     # -- message handlers -------------------------------------------------------------------
 
-    def _on_output(self, msg: RankLines | RankOutput) -> None:
-        """A run of a rank's lines (a `RankOutput` is a run of one): per run, not per line."""
+    def _on_output(self, msg: RankLines | RankOutput) -> int:
+        """A run of a rank's lines (a `RankOutput` is a run of one): per run, not per line (the
+        log files get the batch's runs in `_handle`). The number of lines."""
         self._last_activity = time.monotonic()
         state = self.states[msg.rank]
         lines = msg.lines
         (state.stderr_tail if msg.stream == "stderr" else state.stdout_tail).extend(lines)
         if self._hang_dump_until is not None and msg.stream == "stderr":
             state.stack_dump.extend(lines)
-        if self._joblog is not None:
-            self._joblog.lines(msg.rank, lines)
+        return len(lines)
 
     def _on_event(self, msg: RankEvent) -> None:
         state = self.states[msg.rank]

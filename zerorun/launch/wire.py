@@ -217,7 +217,9 @@ def messages_from_wire(msg: Mapping[str, Any]) -> list[RankMessage]:
         if not isinstance(lines, list):
             raise TypeError("a run of lines that is not a list")
         r = int(rank)
-        if not all(type(line) is str for line in lines):  # JSON strings are str: a faulty sender
+        try:
+            "".join(lines)  # JSON strings are str; this raises for anything else (a faulty sender)
+        except TypeError:
             lines = [str(line) for line in lines]
         if lines:
             out.append(RankLines(r, stream, lines))
