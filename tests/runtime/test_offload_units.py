@@ -75,11 +75,11 @@ def test_cpu_threads_share_the_cores(monkeypatch: pytest.MonkeyPatch) -> None:
     o = options_from_settings(_settings({"stage": 2, "offload_optimizer": {"device": "cpu"}}))
     assert o.step_threads() == 4 and not o.early_start  # clipping: the step waits for the norm
     o = options_from_settings(_settings({"stage": 2, "offload_optimizer": {"device": "cpu"}}, clip=0.0))
-    assert o.early_start and o.step_threads() == 4  # started in the backward: the loop waits in step()
+    assert o.early_start and o.step_threads() == 3  # the step overlaps backward: a core for the loop
     o = options_from_settings(
         _settings({"stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}, clip=0.0)
     )
-    assert o.early_start and o.step_threads() == 3  # the next forward runs beside the step: a core for it
+    assert o.early_start and o.step_threads() == 3  # and the next forward: a core for it
     o = options_from_settings(_settings({"stage": 2, "offload_optimizer": {"device": "cpu"}}, clip=0.0, fp16=True))
     assert not o.early_start  # fp16 steps depend on the overflow check
     o = options_from_settings(

@@ -112,7 +112,7 @@ class ZerorunSection(Section):
     offload_cpu_threads: Count = field(
         0,
         "Threads of the CPU optimizer step per rank with optimizer offload; 0: the cores this process may use "
-        "divided by the ranks on its node (one fewer when the training loop runs beside the step -- `delayed_param_update`, "
-        "or stage 3 `offload_param` without clipping -- leaving it a core).",
+        "divided by the ranks on its node (one fewer when the step overlaps the training loop -- `delayed_param_update`, "
+        "or no clipping -- leaving it a core).",
         ge=0,
     )

@@ -33,18 +33,18 @@ class OffloadOptions(OffloadSettings):
 
     def step_threads(self) -> int:
         """Threads of the CPU optimizer step. Automatic: this rank's share of the cores it may
-        use; one fewer when the training loop runs beside the step -- the delayed update (the
-        next forward and backward), and stage 3 parameter offload with the step started in the
-        backward (the next forward starts while the CPU steps, HostPlacement.settle) -- since a
-        starved Python thread starves the GPU of launches. A step started in the backward
-        otherwise takes every core: the loop has queued the whole backward by the time the first
-        gradients reach the host and then waits in step() (one H200 host, 16 cores, 128M
-        elements: 16 threads 122.6 GB/s, 15 threads 112.9 GB/s, medians of
-        benchmarks/results/cpu_step_bandwidth_sweep_h200.json)."""
+        use; one fewer when the step overlaps the training loop -- the delayed update (the next
+        forward and backward), a step started in the backward (the backward's hooks and
+        reductions run beside it; stage 3 parameter offload: also the next forward) -- since a
+        starved Python thread starves the GPU of launches, and one preempted thread holds up
+        the whole parallel region. Measured on one H200 host (16 cores): alone the step ran 8 %
+        faster with 16 threads than with 15 (benchmarks/results/cpu_step_bandwidth_sweep_h200.json),
+        but in the 1.3B exact offload rows with the backward beside it 16 threads made it 15-18 %
+        slower (adam_s 0.374 s vs 0.317 s at stage 3: results 20261201T182912Z vs 20261201T175823Z)."""
         if self.cpu_threads > 0:
             return self.cpu_threads
         n = cores_per_rank()
-        overlaps = self.delayed_update or (self.early_start and self.stage == 3 and self.param_device != "none")
+        overlaps = self.delayed_update or (self.early_start and self.stage >= 1)
         return max(1, n - 1) if overlaps and n > 2 else n
 
 
