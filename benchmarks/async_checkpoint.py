@@ -7,6 +7,9 @@ rank:
 - `stall_s`: the time the training thread spends in each asynchronous save (the snapshot into
   host buffers: `AsyncSaver.last_stall_s`); the first save allocates the buffers and is
   reported apart (`first_stall_s`);
+- `wait_s`: before each save's snapshot, the time the training thread waited for the previous
+  save still writing (`AsyncSaver.last_wait_s`; a save every 2 steps here, so nearly a whole
+  write when one write takes longer than 2 steps), and `write_s`, the last background write;
 - `snapshot_bytes`: this rank's checkpoint bytes (what the snapshot copies);
 - `copy_GBps`: the bandwidth of one copy of that many bytes from the device into pinned host
   memory (on CPU: host to host), measured in the same job (median of 5); `target_s` = 1.1 x
@@ -68,6 +71,7 @@ def _worker(args: argparse.Namespace) -> None:
     data = gpt_model.SyntheticTokens(cfg, args.micro_batch, device, rank=engine.global_rank)
     saver = engine.checkpointing.saver
     stalls: list[float] = []
+    waits: list[float] = []
     step_s: list[float] = []
     for step in range(args.steps):
         x, y = data.batch(step)
@@ -81,6 +85,7 @@ def _worker(args: argparse.Namespace) -> None:
             torch.cuda.synchronize(device)
         if saver.saves > saves:
             stalls.append(saver.last_stall_s)
+            waits.append(saver.last_wait_s)
         else:
             step_s.append(time.perf_counter() - t0)
     engine.checkpointing.wait()
@@ -111,6 +116,8 @@ def _worker(args: argparse.Namespace) -> None:
         "rank": engine.global_rank,
         "first_stall_s": stalls[0],
         "stall_s": stalls[1:],
+        "wait_s": waits[1:],
+        "write_s": saver.last_write_s,
         "step_s_median": sorted(step_s)[len(step_s) // 2] if step_s else None,
         "snapshot_bytes": nbytes,
         "copy_GBps": nbytes / copy_s / 1e9,
@@ -168,6 +175,8 @@ def _run_stage(args: argparse.Namespace, stage: int, work: Path) -> dict[str, An
         "sync_save_s_max": sync,
         "stall_over_target": stall / target,
         "stall_over_sync": stall / sync,
+        "wait_s_median_max": max(_median(r["wait_s"]) for r in ranks),
+        "write_s_max": max(r["write_s"] for r in ranks),
         "snapshot_bytes_max": max(r["snapshot_bytes"] for r in ranks),
         "copy_GBps_min": min(r["copy_GBps"] for r in ranks),
         "ranks": ranks,
@@ -217,7 +226,8 @@ def main() -> None:
         print(
             f"stage {s['stage']}: stall {s['stall_s_median_max'] * 1e3:.1f} ms (target {s['target_s_max'] * 1e3:.1f} ms: "
             f"{s['stall_over_target']:.2f}x), sync save {s['sync_save_s_max']:.2f} s (stall {100 * s['stall_over_sync']:.1f} %), "
-            f"{s['snapshot_bytes_max'] / 2**20:.0f} MiB/rank at {s['copy_GBps_min']:.1f} GB/s"
+            f"{s['snapshot_bytes_max'] / 2**20:.0f} MiB/rank at {s['copy_GBps_min']:.1f} GB/s; "
+            f"waited {s['wait_s_median_max']:.2f} s for the previous save (one write {s['write_s_max']:.2f} s)"
         )
     print(f"wrote {out}")
 

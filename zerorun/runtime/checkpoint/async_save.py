@@ -134,7 +134,10 @@ class AsyncSaver:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._buffers: list[torch.Tensor] = []
-        self.last_stall_s = 0.0  # the training thread's time in the last `save`
+        self.last_stall_s = 0.0  # the training thread's time in the last `save`'s snapshot
+        # ... and before it, waiting for the previous save still writing (at most one snapshot
+        # lives in host memory): saves closer together than one write block here for the rest.
+        self.last_wait_s = 0.0
         self.last_write_s = 0.0  # the background write (and commit) of the last save
         self.last_snapshot_bytes = 0
         self.saves = 0
@@ -166,8 +169,10 @@ class AsyncSaver:
     ) -> None:
         """Snapshot `view` (an `EngineCheckpointView`) and start writing it in the background
         (`before_commit`: sharded.save_checkpoint's, run in the writer thread)."""
+        t_wait = time.perf_counter()
         self.wait()
         t0 = time.perf_counter()
+        self.last_wait_s = t0 - t_wait
         rank, world = view.rank, view.world_size
         meta = view.checkpoint_meta()
         fragments = view.checkpoint_fragments(for_load=False)
