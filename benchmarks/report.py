@@ -297,8 +297,8 @@ def offload_target_lines(by: dict[str, dict[str, Any]]) -> list[str]:
             mem, full_mem, none_mem = (float(m) for m in mems)
             half = (full_mem + none_mem) / 2
             line += (
-                f"; peak GPU memory {mem / GIB:.1f} GiB ≤ halfway {half / GIB:.1f} GiB between"
-                f" `{t.halfway_from}` and `{t.ref}` {'✓' if mem <= half else '✗'}"
+                f"; peak GPU memory {mem / GIB:.1f} GiB {'≤' if mem <= half else '>'} halfway {half / GIB:.1f} GiB"
+                f" between `{t.halfway_from}` and `{t.ref}` {'✓' if mem <= half else '✗'}"
             )
         lines.append(line)
     return lines
