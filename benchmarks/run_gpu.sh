@@ -8,7 +8,7 @@
 #      memory (zerorun stages 1-3 + offload, NPROC ranks sharing GPU 0 over gloo; 350M model by default)
 #      a comma list of configurations/presets, e.g. quick,zero3
 # Environment: SIZE (default 1.3B), NPROC (1; memory: 4), TIMEOUT_S (deadline per configuration),
-# BUDGET_S (the whole run; what does not fit is recorded as not_run; default 540 s so a
+# ZERORUN_BENCH_COMMIT (the commit to record when the tree is a copy without its own .git), BUDGET_S (the whole run; what does not fit is recorded as not_run; default 540 s so a
 # 600 s call still prints its table), PYTHON (python3).
 # Files left in $OUT (a few, so they all come back): results.jsonl (every record, appended as
 # each configuration finishes), RESULTS.md (this run's tables), log.txt (everything printed).

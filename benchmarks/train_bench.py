@@ -153,16 +153,24 @@ def _worker(a: argparse.Namespace, result_file: str, run_id: str) -> int:
 
 
 def _git_commit() -> str | None:
+    """The commit measured: ZERORUN_BENCH_COMMIT when the tree is a copy (a `git archive` carried to
+    the GPU machine), else the repository's HEAD -- only when ROOT is the top of that repository, so
+    an archive unpacked inside another checkout does not report the outer checkout's HEAD."""
+    if os.environ.get("ZERORUN_BENCH_COMMIT"):
+        return os.environ["ZERORUN_BENCH_COMMIT"]
     try:
         out = subprocess.run(
-            ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+            ["git", "-C", str(ROOT), "rev-parse", "--show-toplevel", "--short", "HEAD"],
             capture_output=True,
             text=True,
             timeout=10,
         )
-        return out.stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         return None
+    lines = out.stdout.split()
+    if out.returncode != 0 or len(lines) != 2 or Path(lines[0]).resolve() != ROOT.resolve():
+        return None
+    return lines[1]
 
 
 def _orchestrate(a: argparse.Namespace) -> int:
