@@ -56,13 +56,12 @@ def test_exact_pinned_buffer_on_cuda_copies_asynchronously() -> None:
     back.copy_(d, non_blocking=True)
     torch.cuda.synchronize()
     assert torch.equal(back, t)
-    ptr = t.data_ptr()
     del t, back
     gc.collect()
-    # Unregistered: registering the same (now unmapped or reused) range again does not report
-    # "already registered" for a buffer we allocate fresh.
+    # The two buffers were unregistered as they died (the CPU test above checks the calls): a
+    # fresh one, likely at a reused range, registers again instead of failing as already registered.
     again = host.host_empty(n, torch.float32, pin=True, lasting=True)
-    assert again.is_pinned() and isinstance(ptr, int)
+    assert again.is_pinned()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (scripts/gpu_checks.sh)")
