@@ -369,6 +369,32 @@ def check_activation_checkpointing() -> None:
             assert torch.allclose(p, q, rtol=1e-5, atol=1e-6), (reentrant, (p - q).abs().max())
 
 
+def check_delayed_update_warmup_continues_after_resume() -> None:
+    # Warm-up 3: steps 0-2 exact, then delayed. Saved after 2 steps, the resumed engine takes one
+    # more exact step before its first delayed one -- not three again.
+    import tempfile
+
+    c = cfg(
+        optimizer={"type": "AdamW", "params": {"lr": 1e-3}},
+        zero_optimization={"stage": 2, "reduce_bucket_size": 16, "offload_optimizer": {"device": "cpu"}},
+        zerorun={"delayed_param_update": True, "delayed_param_update_warmup": 3},
+    )
+    with tempfile.TemporaryDirectory() as d:
+        first, *_ = zerorun.initialize(model=model(), config=c)
+        train(first, 2)
+        first.save_checkpoint(d)
+        first.destroy()
+        resumed, *_ = zerorun.initialize(model=model(), config=c)
+        resumed.load_checkpoint(d)
+        placement = resumed.stage.state.placement
+        assert placement.steps == 2, placement.steps
+        train(resumed, 1)
+        assert placement.delayed_steps == 0, placement.delayed_steps
+        train(resumed, 1)
+        assert placement.delayed_steps == 1, placement.delayed_steps
+        resumed.destroy()
+
+
 CHECKS = [v for k, v in sorted(globals().items()) if k.startswith("check_")]
 
 

@@ -17,6 +17,7 @@ CHECKS = [
     "check_auto_lr_without_optimizer",
     "check_backward_twice_without_step",
     "check_callable_scheduler_and_config_scheduler",
+    "check_delayed_update_warmup_continues_after_resume",
     "check_fp16_auto",
     "check_launcher_config_needs_no_yaml_or_typer",
     "check_memory_provider_registered",

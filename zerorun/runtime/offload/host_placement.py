@@ -541,6 +541,12 @@ class HostPlacement(ShardPlacement):
         self._in_step = False
 
     # -- generic hooks (Contract 6) ------------------------------------------------------------
+    def state_loaded(self, optimizer: Optimizer) -> None:
+        """A resumed run continues the delayed update's warm-up where the saved run stopped: the
+        step count is the optimizer's own (saved with its state), not zero."""
+        counts = [int(st["step"]) for st in optimizer.state.values() if "step" in st]
+        self.steps = max(counts, default=0)
+
     def phase_timer(self) -> PhaseSource:
         """wall_clock_breakdown (observe/timers.py OFFLOAD_PHASES): time the copies from now on
         and hand the step timers each step's sub-phases."""
