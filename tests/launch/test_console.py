@@ -52,6 +52,20 @@ def test_console_rendering() -> None:
     assert "[node2:1]" in rich_out.getvalue()
 
 
+def test_rich_console_prints_lines_that_arrive_after_stop() -> None:
+    # A start failure stops the display, then drains the runners: their last lines still print.
+    from rich.console import Console
+
+    plan = plan_for(num_gpus=1)
+    out = io.StringIO()
+    rich = RichConsole()
+    rich.console = Console(file=out, force_terminal=True, width=120)
+    rich.begin(plan, [RankState(spec) for spec in plan.ranks])
+    rich.stop()
+    rich.output([RankOutput(0, "stdout", "drained after stop")])
+    assert "drained after stop" in out.getvalue()
+
+
 def test_live_panel_step_cell_shows_each_ranks_timers() -> None:
     from zerorun.launch.console_format import step_cell
 

@@ -249,6 +249,7 @@ class RichConsole:
         self._heads: dict[tuple[int, str], str] = {}
         self._dim = ("", "")
         self._pending: list[str] = []  # rendered lines not printed yet
+        self._stopped = False
         self._pending_lines = 0
         self._printed_at = 0.0
 
@@ -257,6 +258,7 @@ class RichConsole:
         from rich.text import Text
 
         self._t0 = time.monotonic()
+        self._stopped = False
         self.plan = plan
         self.states = states
         self._prefixes = fmt.prefixes(plan, states)
@@ -316,7 +318,9 @@ class RichConsole:
         if parts:
             self._pending.append("".join(parts))
             self._pending_lines += count
-            if self._pending_lines >= _PRINT_LINES:
+            # After stop() nothing refreshes any more (a start failure drains the runners'
+            # last lines after stopping the display): print at once.
+            if self._pending_lines >= _PRINT_LINES or self._stopped:
                 self._print_pending()
 
     def _print_pending(self) -> None:
@@ -354,6 +358,7 @@ class RichConsole:
             self._live.update(self._panel())
 
     def stop(self) -> None:
+        self._stopped = True
         self._print_pending()
         if self._live is not None:
             self._live.stop()
