@@ -40,7 +40,8 @@ class OffloadOptions(OffloadSettings):
         the whole parallel region. Measured on one H200 host (16 cores): alone the step ran 8 %
         faster with 16 threads than with 15 (benchmarks/results/cpu_step_bandwidth_sweep_h200.json),
         but in the 1.3B exact offload rows with the backward beside it 16 threads made it 15-18 %
-        slower (adam_s 0.374 s vs 0.317 s at stage 3: results 20261201T182912Z vs 20261201T175823Z)."""
+        slower (adam_s 0.374 s vs 0.317 s at stage 3: results 20261201T182912Z vs 20261201T175823Z,
+        two commits that also differ in the worker's buffer order: not a clean comparison)."""
         if self.cpu_threads > 0:
             return self.cpu_threads
         n = cores_per_rank()
