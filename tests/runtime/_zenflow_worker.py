@@ -150,7 +150,10 @@ def reference(
     m = [torch.zeros_like(p) for p in ps]
     v = [torch.zeros_like(p) for p in ps]
     acc = [torch.zeros_like(p) for p in ps]
-    state: dict[str, Any] = {"slow": 0, "fast": 0, "count": 0, "zf": 0, "selections": 0, "mismatches": 0, "violation": 0.0}
+    state: dict[str, Any] = {
+        "slow": 0, "fast": 0, "count": 0, "zf": 0, "selections": 0, "mismatches": 0, "violation": 0.0,
+        "unadopted": 0, "count_errors": 0,
+    }
     important: list[torch.Tensor] = []
 
     def adamw(masks: list[torch.Tensor], grads: list[torch.Tensor], t: int, lr: float = LR) -> None:
@@ -173,12 +176,17 @@ def reference(
             theirs = adopted[name].to(g.device).view(g.shape) if name in adopted else mine
             state["mismatches"] += int(not torch.equal(theirs, mine))
             if g.dim() >= 2:
+                state["unadopted"] += int(name not in adopted)  # then nothing of the engine's is checked
                 cols, flat, chosen_flat = g.shape[-1], g.reshape(-1), theirs.reshape(-1)
+                k = min(cols, max(1, math.ceil(topk * cols)))
                 for lo, hi in ranges[name]:
                     col = torch.arange(lo, hi, device=g.device) % cols
                     score = torch.zeros(cols, device=g.device).index_add_(0, col, flat[lo:hi] ** 2)
-                    kth = torch.topk(score, min(cols, max(1, math.ceil(topk * cols)))).values[-1]
+                    kth = torch.topk(score, k).values[-1]
                     picked = col[chosen_flat[lo:hi]].unique()
+                    # A part holding every column chose exactly k of them (fewer would pass the
+                    # near-tie check above alone).
+                    state["count_errors"] += int(hi - lo >= cols and picked.numel() != k)
                     if picked.numel() and float(kth) > 0:
                         worst = float((kth - score[picked].min()) / kth)
                         state["violation"] = max(state["violation"], worst)
@@ -256,6 +264,8 @@ def reference(
         "losses": losses,
         "selection_violation": state["violation"],
         "selection_mismatches": state["mismatches"],
+        "selection_unadopted": state["unadopted"],
+        "selection_count_errors": state["count_errors"],
         "master": {n: p.detach().cpu().clone() for n, p in zip(names, ps, strict=True)},
         "compute": {n: p.detach().float().cpu().clone() for n, p in compute.named_parameters()},
     }
@@ -345,7 +355,8 @@ def run(name: str) -> dict:
     engine_masks = [
         {
             name: _mask(name, [e for r in range(world) for e in every[r][k].get(name, [])])
-            for name in every[0][k]
+            # every rank's parameters: one may lie wholly in another rank's shard
+            for name in sorted({n for r in range(world) for n in every[r][k]})
         }
         for k in range(len(selections))
     ]
@@ -386,6 +397,8 @@ def run(name: str) -> dict:
         "compute_err": {n: err(compute[n], ref["compute"][n]) for n in ref["compute"]},
         "selection_violation": ref["selection_violation"],
         "selection_mismatches": ref["selection_mismatches"],
+        "selection_unadopted": ref["selection_unadopted"],
+        "selection_count_errors": ref["selection_count_errors"],
         "device": DEVICE.type,
     }
 

@@ -70,6 +70,9 @@ def test_zenflow_matches_its_reference(results, name: str, world: int) -> None: 
     # differ in the last bits, other matmul kernels, and a near-tie may flip); on the CPU the
     # choices are the very same.
     assert r["selection_violation"] <= (1e-5 if dtype == "fp32" else 0.05), r["selection_violation"]
+    # ... of k columns, and checked for every 2-D parameter (one the reference did not adopt
+    # would be compared against the reference's own choice only).
+    assert (r["selection_count_errors"], r["selection_unadopted"]) == (0, 0)
     if r["device"] == "cpu":
         assert r["selection_mismatches"] == 0
     tol = 1e-5 if dtype == "fp32" else 2.0**-7
