@@ -157,22 +157,60 @@ def test_buffers_are_a_separate_capped_term():
     assert model_state_bytes(20_000, 4, cfg, largest_layer=8320).buffers["gpu"]["reduce_staging"] == 3 * 8320 * 4.0
     assert model_state_bytes(1000, 4, cfg).buffers["gpu"]["reduce_staging"] == 1000 * 4.0  # one bucket holds it all
     assert model_state_bytes(500, 4, cfg).buffers["gpu"]["reduce_staging"] == 500 * 4.0  # capped at Ψ
-    s3 = model_state_bytes(
-        10**9, 8, load_config(_mixed(3, stage3_prefetch_bucket_size=10**7, stage3_max_live_parameters=10**8)), largest_layer=10**6
-    )
-    assert s3.buffers["gpu"]["prefetch_bucket"] == 2 * 10**7
-    assert s3.buffers["gpu"]["live_params"] == 2 * 10**8
-    assert s3.buffers["gpu"]["largest_layer"] == 10**6 * (2 + 4)
-    # stage 3 stages whole parameter groups (modules), bounded by --largest-layer, not the bucket size
-    assert s3.buffers["gpu"]["reduce_staging"] == 3 * 10**6 * 4
+    # stage 3: see test_stage3_buffers_follow_the_runtime
     no_layer = model_state_bytes(10**9, 8, load_config(_mixed(3)))
-    assert no_layer.buffers["gpu"]["reduce_staging"] == 3 * 5 * 10**8 * 4
+    assert no_layer.buffers["gpu"]["reduce_staging"] == 5 * 10**8 * 4  # reduce_bucket_size stands in for G
     assert any("no parameter group" in note for note in no_layer.notes)
     # stage 2 caps its flat buffers at 5e7 elements whatever reduce_bucket_size says
     assert model_state_bytes(10**9, 8, load_config(_mixed(2))).buffers["gpu"]["reduce_staging"] == 3 * 5 * 10**7 * 4
     # one rank reduces in place: no staging at any stage
     assert "reduce_staging" not in model_state_bytes(20_000, 1, cfg).buffers["gpu"]
     assert "reduce_staging" not in model_state_bytes(10**9, 1, load_config(_mixed(3))).buffers["gpu"]
+
+
+def _s3(psi: int, n: int, layer: int, zerorun: dict | None = None, **zero) -> dict[str, float]:
+    cfg = _mixed(3, **zero)
+    if zerorun:
+        cfg["zerorun"] = zerorun
+    return model_state_bytes(psi, n, load_config(cfg), largest_layer=layer).buffers["gpu"]
+
+
+def test_stage3_buffers_follow_the_runtime():
+    """runtime/stage3 as built (G = the largest group, here 10**6 elements of 10**9):"""
+    psi, g = 10**9, 10**6
+    # one rank, fp32 master shard as the at-rest parameter: the root group stays gathered for the
+    # pass and one group is gathered at a time -- nothing prefetched or kept (nothing to overlap
+    # or save; ParamGroup.prefetch_pays, hooks.py's world > 1 keep rule), whatever the keys say;
+    # gradients are written straight into the shard: no staging
+    big = {"stage3_max_reuse_distance": 10**9, "stage3_prefetch_bucket_size": 10**9}
+    assert _s3(psi, 1, g, **big) == {"gathered_params": 2 * g * 2.0, "group_grads": g * 2.0}
+    # one rank and the at-rest shard already in the compute dtype (optimizer offloaded, or fp32
+    # training): the parameters are bound to the shard for good (ParamGroup.resident)
+    off = {"offload_optimizer": {"device": "cpu"}}
+    assert _s3(psi, 1, g, **off)["gathered_params"] == 0
+    fp32 = model_state_bytes(psi, 1, load_config({"optimizer": {"type": "Adam"}, "zero_optimization": {"stage": 3}}), largest_layer=g)
+    assert fp32.buffers["gpu"] == {"gathered_params": 0.0, "group_grads": g * 4.0}
+    # one rank with parameters on the host: the host->device copy overlaps, so it prefetches
+    par = {"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}, "stage3_prefetch_bucket_size": 10**7}
+    assert _s3(psi, 1, g, **par)["gathered_params"] == (2 * g + 10**7 + g) * 2
+    # several ranks: one group's reduce-scatter staging (the previous one is retired before the
+    # next fills its buffer), the groups kept by the reuse distance (< R/2 elements after them,
+    # + the first kept group), prefetch up to the bucket (+ the group crossing it) within the
+    # live limit
+    s3 = _s3(psi, 8, g, stage3_prefetch_bucket_size=10**7, stage3_max_live_parameters=10**8, stage3_max_reuse_distance=0)
+    assert s3 == {"gathered_params": (2 * g + 10**7 + g) * 2.0, "reduce_staging": g * 4.0, "group_grads": g * 2.0}
+    kept = _s3(psi, 8, g, stage3_prefetch_bucket_size=0, stage3_max_reuse_distance=4 * 10**7)
+    assert kept["gathered_params"] == (2 * g + 2 * 10**7 + g) * 2
+    live = _s3(psi, 8, g, stage3_prefetch_bucket_size=10**8, stage3_max_live_parameters=5 * 10**6, stage3_max_reuse_distance=0)
+    assert live["gathered_params"] == (2 * g + 5 * 10**6) * 2
+    # stage3_reshard_after_forward false keeps every group gathered from its forward to its backward
+    assert _s3(psi, 8, g, {"stage3_reshard_after_forward": False})["gathered_params"] == psi * 2
+    # everything capped at the model
+    assert _s3(3 * 10**6, 8, g)["gathered_params"] == 3 * 10**6 * 2
+    # communication_data_type bf16: staging in 16 bits
+    assert model_state_bytes(psi, 8, load_config({**_mixed(3), "communication_data_type": "bf16"}), largest_layer=g).buffers[
+        "gpu"
+    ]["reduce_staging"] == g * 2
 
 
 def test_inputs_and_table():

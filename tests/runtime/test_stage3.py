@@ -95,6 +95,27 @@ def _check_estimate(name: str, x: dict, mem: dict, world: int) -> None:
         assert est[term] - width <= measured[term] <= est[term] + width * pad + width, (name, term, measured, est)
     if not fp32:
         assert est["params"] == 0
+    _check_estimated_buffers(x, mem, world, config, psi)
+
+
+def _check_estimated_buffers(x: dict, mem: dict, world: int, config: dict, psi: int, *, debug_collectives: bool = False) -> None:
+    """The estimate's stage-3 buffers with G = the largest group bound the runtime's ledger
+    (peak gathered + peak staging, engine.memory_summary()'s buffers) term by term. One rank
+    with ZERORUN_DEBUG_COLLECTIVES=1 (not in the config) stages one group in place, as several
+    ranks do."""
+    from zerorun.estimate import model_state_bytes
+
+    bufs = model_state_bytes(psi, world, config, largest_layer=x["max_group_numel"]).buffers["gpu"]
+    if debug_collectives:
+        assert "reduce_staging" not in bufs
+        bufs = {**bufs, "reduce_staging": x["max_group_numel"] * 4.0}
+    esize = 4 if not config.get("bf16", {}).get("enabled") else 2
+    assert x["peak_live_numel"] * esize <= bufs["gathered_params"], (x["peak_live_numel"], bufs)
+    assert x["peak_staging_bytes"] <= bufs.get("reduce_staging", 0.0), (x["peak_staging_bytes"], bufs)
+    assert mem["buffers"] <= bufs["gathered_params"] + bufs.get("reduce_staging", 0.0), (mem, bufs)
+    if world == 1:  # exact at one rank: nothing (fp32: the shard is the parameter) or root + one group
+        assert bufs["gathered_params"] == (0 if esize == 4 else 2 * x["max_group_numel"] * esize), bufs
+        assert bufs["gathered_params"] < psi * esize
 
 
 @pytest.mark.parametrize("world", WORLDS)
@@ -142,6 +163,25 @@ def test_live_and_prefetch_limits(results, world: int) -> None:  # noqa: ANN001
         assert x["no_prefetch"]["peak_live_numel"] <= tight["peak_live_numel"]
         assert x["keep"]["peak_live_numel"] > tight["peak_live_numel"], "reuse distance kept nothing"
         assert x["by_class"]["n_partitioned"] > tight["n_partitioned"]
+        # the estimate's gathered-parameter bound for each launch's keys (fp32, reuse distance 0
+        # unless set), below the whole model where the keys bound it
+        from zerorun.estimate import model_state_bytes
+
+        for label, zero, zr in (
+            ("tight", {"stage3_max_live_parameters": 2000, "stage3_prefetch_bucket_size": 400}, {}),
+            ("no_prefetch", {"stage3_prefetch_bucket_size": 0}, {}),
+            ("keep", {"stage3_max_reuse_distance": 1_000_000_000}, {}),
+            ("no_reshard", {}, {"stage3_reshard_after_forward": False}),
+        ):
+            y = x[label]
+            cfg = {"optimizer": {"type": "AdamW"}, "zerorun": zr}
+            cfg["zero_optimization"] = {"stage": 3, "stage3_max_reuse_distance": 0, **zero}
+            psi = y["partitioned_numel"]
+            bufs = model_state_bytes(psi, world, cfg, largest_layer=y["max_group_numel"]).buffers["gpu"]
+            assert y["peak_live_numel"] * 4 <= bufs["gathered_params"], (label, y["peak_live_numel"], bufs)
+            assert y["peak_staging_bytes"] <= bufs["reduce_staging"] == y["max_group_numel"] * 4, (label, bufs)
+            if label in ("tight", "no_prefetch"):
+                assert bufs["gathered_params"] < psi * 4, (label, bufs, psi)
         for label in ("no_prefetch", "keep", "no_reshard"):  # same layouts: bit-identical
             assert x[label]["losses"] == tight["losses"], f"{label} changed the math"
         for a, b in zip(x["by_class"]["losses"], tight["losses"], strict=True):  # other layouts: fp32 order

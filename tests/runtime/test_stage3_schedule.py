@@ -22,10 +22,12 @@ from zerorun.runtime.stage3.param_group import RELEASED
 from zerorun.runtime.stage3.schedule import Schedule
 
 from ._spawn import spawn_ranks
-from .test_stage3 import _check_equivalence
+from .test_stage3 import _check_equivalence, _check_estimated_buffers
 
 HERE = Path(__file__).resolve().parent
 CASES = ["fp32-ga4-clip0", "bf16-ga1-clip0.05", "bf16-ga4-clip0"]
+# DeepSpeed's defaults: with several ranks the last blocks would stay gathered
+ZERO = json.dumps({"stage3_max_reuse_distance": 10**9, "stage3_prefetch_bucket_size": 10**9})
 
 
 class _Group:
@@ -107,8 +109,7 @@ def one_rank_real(tmp_path_factory: pytest.TempPathFactory) -> dict:
         extra_env={
             "ZERORUN_DEBUG_COLLECTIVES": "1",
             "ZR_S3_CASES": ",".join(CASES),
-            # DeepSpeed's defaults: with several ranks the last blocks would stay gathered
-            "ZR_S3_ZERO": json.dumps({"stage3_max_reuse_distance": 10**9, "stage3_prefetch_bucket_size": 10**9}),
+            "ZR_S3_ZERO": ZERO,
         },
     )
     return json.loads(out.read_text())
@@ -130,4 +131,9 @@ def test_one_rank_real_collectives_match_reference(one_rank_real: dict, name: st
         assert mem["grads"] == 0, mem  # the in-place shards go at the step like the others
         # one group's staging at a time: the previous reduction is retired before the next
         assert 0 < x["peak_staging_bytes"] <= x["max_group_staging_bytes"], x["peak_staging_bytes"]
+        # zerorun.estimate for the same keys: root group + one group gathered (bf16), nothing (fp32)
+        cfg = {"optimizer": {"type": "AdamW"}, "zero_optimization": {"stage": 3, **json.loads(ZERO)}}
+        cfg["bf16"] = {"enabled": name.startswith("bf16")}
+        psi = x["partitioned_numel"] + x["persistent_bytes"] // (4 if name.startswith("fp32") else 2)
+        _check_estimated_buffers(x, mem, 1, cfg, psi, debug_collectives=True)
 

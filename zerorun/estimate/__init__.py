@@ -19,9 +19,12 @@ are those of the runtime's memory ledger (`zerorun/runtime/memory.py`), so measu
 compare term by term.
 
 Buffers are a separate term and an upper bound of what zerorun's runtime holds besides the
-model states: from stage 2 on, up to three gradient staging buckets (`reduce_bucket_size`
-elements, or the largest layer if larger); at stage 3 the prefetch bucket and the live gathered
-parameters (and one whole layer with `largest_layer`); NVMe optimizer tiles on the host.
+model states: at stage 2 up to three gradient staging buckets (`reduce_bucket_size`
+elements, or the largest layer if larger); at stage 3 (G = the largest parameter group,
+`largest_layer`) the gathered parameters (root group + the running group; with N > 1 the groups
+kept by `stage3_max_reuse_distance`; prefetch within `stage3_prefetch_bucket_size` and
+`stage3_max_live_parameters`; nothing at one rank when the shard is the parameter), one group's
+reduce-scatter staging with N > 1, and one group's full gradients; NVMe optimizer tiles on the host.
 Stages 0-1 reduce and gather in place (no buffers). Each is capped at the model's size. Activations are not
 model states and are not estimated. Partitioned terms are exactly Ψ/N; the runtime's padding
 (less than one element per rank and flat buffer) is not included.

@@ -1,5 +1,6 @@
 """Buffers beside the model states: upper bounds of the gradient staging buckets, stage 3's
-prefetch and live parameters, ZenFlow's GPU sums and NVMe optimizer tiles, as the config sizes them."""
+gathered parameters, staging and group gradients, ZenFlow's GPU sums and NVMe optimizer tiles, as
+the config (and the largest layer or parameter group) sizes them."""
 
 from __future__ import annotations
 
@@ -32,45 +33,35 @@ def _buffers(
     n: int,
     largest_layer: int | None,
     notes: list[str],
+    reshard: bool = True,
 ) -> dict[str, dict[str, float]]:
     """Upper bounds of the buffers the config sizes, capped at the model (a bucket never
-    holds more than every element)."""
+    holds more than every element). `reshard`: zerorun.stage3_reshard_after_forward."""
     psi = num_params
     reduce = _zero_size(zero, "reduce_bucket_size")
-    prefetch = _zero_size(zero, "stage3_prefetch_bucket_size")
-    live = _zero_size(zero, "stage3_max_live_parameters")
     if zero is not None and "auto" in (zero.reduce_bucket_size, zero.stage3_prefetch_bucket_size):
         notes.append("bucket sizes set to \"auto\": DeepSpeed's defaults assumed")
     gpu: dict[str, float] = {}
+    if stage == 3:
+        gpu.update(_stage3(psi, bpe, zero, reshard, opt_dev, par_dev, n, largest_layer, notes))
     # Stages 0-1 reduce gradients in place in their flat buffers (the grads term) and gather the
-    # updated parameters in place: no separate buffers. From stage 2 on, each bucket's gradients
-    # are staged in a buffer that is reduce-scattered and freed, with up to _REDUCE_STAGING of
-    # them alive (runtime/grad_reduce.py: 2 in flight + the one being filled). A bucket holds
-    # whole parameters, so it is at least the largest parameter: --largest-layer bounds that.
-    if stage >= 2 and n > 1:  # one rank accumulates into its shard directly: no staging
-        if stage == 2:
-            # Stages 0-2 cap a flat buffer at 5e7 elements whatever reduce_bucket_size says
-            # (runtime/flat_stage.py MAX_FLAT_NUMEL: earlier reduce-scatters, bounded staging).
-            bucket = min(max(min(reduce, _MAX_FLAT_NUMEL), largest_layer or 0), psi)
-        else:
-            # Stage 3 stages one parameter group (a module) per reduce-scatter, whatever
-            # reduce_bucket_size says (runtime/stage3/hooks.py): --largest-layer bounds it.
-            bucket = min(largest_layer or reduce, psi)
+    # updated parameters in place: no separate buffers. At stage 2 each bucket's gradients are
+    # staged in a buffer that is reduce-scattered and freed, with up to _REDUCE_STAGING of them
+    # alive (runtime/grad_reduce.py: 2 in flight + the one being filled). A bucket holds whole
+    # parameters, so it is at least the largest parameter: --largest-layer bounds that.
+    if stage == 2 and n > 1:  # one rank accumulates into its shard directly: no staging
+        # Stages 0-2 cap a flat buffer at 5e7 elements whatever reduce_bucket_size says
+        # (runtime/flat_stage.py MAX_FLAT_NUMEL: earlier reduce-scatters, bounded staging).
+        bucket = min(max(min(reduce, _MAX_FLAT_NUMEL), largest_layer or 0), psi)
         # One bucket when the model fits in one; otherwise parameters larger than the bucket
         # make more buckets than Ψ / bucket, so count the full three.
         count = (1 if psi <= bucket else _REDUCE_STAGING) if bucket else 0
         gpu["reduce_staging"] = float(count * bucket * bpe.grads)
         if largest_layer is None and bucket < psi:
             notes.append(
-                "reduce staging assumes no parameter (at stage 3: no parameter group) is larger than "
-                "reduce_bucket_size; give --largest-layer for a bound that holds for any model"
+                "reduce staging assumes no parameter is larger than reduce_bucket_size; give "
+                "--largest-layer for a bound that holds for any model"
             )
-    if stage == 3:
-        gpu["prefetch_bucket"] = float(min(prefetch, psi) * bpe.params)
-        gpu["live_params"] = float(min(live, psi) * bpe.params)
-        if largest_layer:
-            # One layer gathered whole, with its full gradient before the reduce-scatter.
-            gpu["largest_layer"] = float(largest_layer * (bpe.params + bpe.grads))
     # ZenFlow (zero_optimization.zenflow, with the optimizer on the CPU; runtime/offload/zenflow.py):
     # the GPU sums the unimportant gradients of an interval (fp32, the rank's shard) and holds
     # compact fp32 master + Adam states of the important columns (topk_ratio of each matrix's
@@ -100,3 +91,64 @@ def _buffers(
         # (runtime/offload/host_placement.py, stage_on_host: the masters live in reused tiles).
         cpu["nvme_param_staging"] = float(-(-psi // n) * bpe.params)
     return {"gpu": gpu, "cpu": cpu, "nvme": {}}
+
+
+def _stage3(
+    psi: int,
+    bpe: BytesPerElement,
+    zero: Any,
+    reshard: bool,
+    opt_dev: str,
+    par_dev: str,
+    n: int,
+    largest_layer: int | None,
+    notes: list[str],
+) -> dict[str, float]:
+    """Stage 3's buffers as runtime/stage3 allocates them, G = the largest parameter group
+    (--largest-layer; a module's parameters, usually the root group: embeddings + head):
+
+    * gathered_params (compute dtype) -- Stage3.buffer_peak_bytes' gathered part. One rank with
+      the shards on the device and an at-rest shard already in the compute dtype (fp32 training,
+      or the optimizer offloaded: no fp32 master on the device) binds the parameters to the
+      shard for good (ParamGroup.resident): nothing is gathered. Otherwise the root group stays
+      gathered for the pass and the group running now is gathered on demand (2G); with several
+      ranks the groups kept after their forward (stage3_max_reuse_distance: kept while twice the
+      elements after them stay below it, schedule.keep_after_forward) add at most R/2 + G; with
+      something to overlap (several ranks, or parameters offloaded) prefetch adds groups while
+      fewer than stage3_prefetch_bucket_size elements are ahead (at most that + G) and never
+      beyond stage3_max_live_parameters. stage3_reshard_after_forward false keeps every group.
+    * reduce_staging (reduce dtype) -- several ranks: one group's staging buffer alive at a
+      time (hooks.py retires the previous group's reduce-scatter before the next fills its
+      buffer). One rank writes the gradient shard directly: none (ZERORUN_DEBUG_COLLECTIVES=1
+      stages one group, in place).
+    * group_grads (compute dtype) -- a group's full gradients (p.grad) from its backward to its
+      reduction: G. Not in the runtime's own ledger (autograd allocates them).
+    """
+    group = min(largest_layer if largest_layer else _zero_size(zero, "reduce_bucket_size"), psi)
+    if not largest_layer and group < psi:
+        notes.append(
+            "stage 3 buffers assume no parameter group (a module's parameters; the root group holds the "
+            "embeddings and head) is larger than reduce_bucket_size; give --largest-layer (the largest group's "
+            "elements) for a bound that holds for any model"
+        )
+    out: dict[str, float] = {}
+    masters_on_device = opt_dev == "none" and bpe.master > 0
+    if n == 1 and par_dev == "none" and not masters_on_device:
+        gathered = 0
+    elif not reshard:
+        gathered = psi
+    else:
+        gathered = 2 * group
+        if n > 1:
+            reuse = _zero_size(zero, "stage3_max_reuse_distance")
+            if reuse > 0:
+                gathered += min(reuse // 2 + group, psi)
+        prefetch = _zero_size(zero, "stage3_prefetch_bucket_size")
+        if prefetch > 0 and (n > 1 or par_dev != "none"):
+            gathered += min(prefetch + group, _zero_size(zero, "stage3_max_live_parameters"))
+        gathered = min(gathered, psi)
+    out["gathered_params"] = float(gathered * bpe.params)
+    if n > 1:
+        out["reduce_staging"] = float(group * bpe.grads)
+    out["group_grads"] = float(group * bpe.params)
+    return out

@@ -29,8 +29,9 @@ def model_state_bytes(
     `config` (a ZerorunConfig, LoadedConfig or DeepSpeed dict) gives the precision, optimizer,
     stage, offload and bucket sizes; keyword arguments override it. Without a config: the
     ZeRO paper's model (2 + 2 + 12 bytes per element), stage 0, no offload, DeepSpeed's
-    default buckets. `largest_layer` (elements) adds the stage-3 working set of one gathered
-    layer to the GPU buffers. `offload_ratio` (with `offload_optimizer` cpu): the host's share of
+    default buckets. `largest_layer` (elements): the largest parameter (stage 2) or parameter
+    group (stage 3: a module's parameters, usually the root group's embeddings + head), which
+    sizes the staging and gathered-parameter buffers (`reduce_bucket_size` stands in without it). `offload_ratio` (with `offload_optimizer` cpu): the host's share of
     master + optimizer states (and of the host gradient copy); the config's
     `offload_optimizer.ratio` by default, `"auto"` resolved with `zerorun.offload_gpu_budget_gb`.
     """
@@ -82,7 +83,8 @@ def model_state_bytes(
         texts[term].append(f"{f'{_w(width)}Ψ' if width else '0'}{'/N' if part and width else ''} on {device}")
     formulas = {term: " + ".join(texts[term]) for term in TERMS}
 
-    buffers = _buffers(num_params, stage, bpe, zero, opt_dev, par_dev, n, largest_layer, notes)
+    reshard = bool(cfg.zerorun.stage3_reshard_after_forward) if cfg is not None else True
+    buffers = _buffers(num_params, stage, bpe, zero, opt_dev, par_dev, n, largest_layer, notes, reshard)
     if stage == 3 and zero is not None and zero.stage3_param_persistence_threshold not in (0, "auto"):
         notes.append(
             "stage 3 keeps parameters smaller than stage3_param_persistence_threshold unpartitioned "
