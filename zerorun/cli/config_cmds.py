@@ -166,7 +166,7 @@ def print_config(
         typer.Option("--params", help="Model size (e.g. 7.5e9, 7B, 350M): adds the memory estimate.", show_default=False),
     ] = None,
     largest_layer: Annotated[
-        str | None, typer.Option("--largest-layer", help="Elements of the largest layer (stage 3 working set).", show_default=False)
+        str | None, typer.Option("--largest-layer", help="Elements of the largest layer (stage 2) or parameter group (stage 3: a module, e.g. embeddings + head): sizes the buffers.", show_default=False)
     ] = None,
     units: Annotated[str, typer.Option("--units", help="GB (1e9 bytes) or GiB (2^30).")] = "GB",
     show_all: Annotated[bool, typer.Option("--all", help="Show every key, not only the ones zerorun acts on.")] = False,

@@ -27,7 +27,7 @@ def estimate(
     nodes: Annotated[int, typer.Option("--nodes", "--num-nodes", min=1, help="Number of nodes.")] = 1,
     largest_layer: Annotated[
         str | None,
-        typer.Option("--largest-layer", help="Elements of the largest layer: adds the stage-3 working set.", show_default=False),
+        typer.Option("--largest-layer", help="Elements of the largest layer (stage 2) or parameter group (stage 3: a module, e.g. embeddings + head): sizes the buffers.", show_default=False),
     ] = None,
     config: Annotated[
         Path | None,
@@ -162,8 +162,9 @@ def _render(num_params: int, gpus_per_node: int, nodes: int, rows: list[tuple[in
     for note in notes:
         console.print(f"  note: {escape(note)}")
     console.print(
-        "  buffers (upper bound): gradient staging buckets from stage 2 on, prefetch + live parameters at stage 3, "
-        "as the config sizes them (DeepSpeed's defaults without --config), capped at the model size"
+        "  buffers (upper bound): gradient staging buckets at stage 2; at stage 3 the gathered parameter groups "
+        "(root + running group, kept and prefetched ones), one group's staging and gradients; as the config and "
+        "--largest-layer size them (DeepSpeed's defaults without --config), capped at the model size"
     )
     if loaded is not None and loaded.warnings:
         console.print(f"  [yellow]{len(loaded.warnings)} config warning(s)[/yellow]: see zerorun print-config {config}")
