@@ -203,6 +203,19 @@ def test_stage3_buffers_follow_the_runtime():
     assert kept["gathered_params"] == (2 * g + 2 * 10**7 + g) * 2
     live = _s3(psi, 8, g, stage3_prefetch_bucket_size=10**8, stage3_max_live_parameters=5 * 10**6, stage3_max_reuse_distance=0)
     assert live["gathered_params"] == (2 * g + 5 * 10**6) * 2
+    # gradient accumulation: later micro-steps add a received shard (N > 1) or the concatenated
+    # gradients in the compute dtype (one rank) to the gradient shard
+    assert _s3(psi, 8, g, stage3_max_reuse_distance=0)["reduce_staging"] == g * 4
+    acc = {"gradient_accumulation_steps": 4, "zero_optimization": {"stage": 3}}
+    assert model_state_bytes(psi, 8, load_config({**_mixed(3), **acc}), largest_layer=g).buffers["gpu"][
+        "reduce_staging"
+    ] == g * 4 * (1 + 1 / 8)
+    assert model_state_bytes(psi, 1, load_config({**_mixed(3), **acc}), largest_layer=g).buffers["gpu"][
+        "reduce_staging"
+    ] == g * 2
+    derived = {**_mixed(3), "train_batch_size": 64, "train_micro_batch_size_per_gpu": 2}
+    assert "reduce_staging" in model_state_bytes(psi, 1, load_config(derived), largest_layer=g).buffers["gpu"]
+    assert model_state_bytes(psi, 32, load_config(derived), largest_layer=g).buffers["gpu"]["reduce_staging"] == g * 4
     # stage3_reshard_after_forward false keeps every group gathered from its forward to its backward
     assert _s3(psi, 8, g, {"stage3_reshard_after_forward": False})["gathered_params"] == psi * 2
     # everything capped at the model

@@ -134,6 +134,7 @@ def test_one_rank_real_collectives_match_reference(one_rank_real: dict, name: st
         # zerorun.estimate for the same keys: root group + one group gathered (bf16), nothing (fp32)
         cfg = {"optimizer": {"type": "AdamW"}, "zero_optimization": {"stage": 3, **json.loads(ZERO)}}
         cfg["bf16"] = {"enabled": name.startswith("bf16")}
+        cfg["gradient_accumulation_steps"] = int(name.split("-ga")[1].split("-")[0])
         psi = x["partitioned_numel"] + x["persistent_bytes"] // (4 if name.startswith("fp32") else 2)
         _check_estimated_buffers(x, mem, 1, cfg, psi, debug_collectives=True)
 

@@ -34,16 +34,18 @@ def _buffers(
     largest_layer: int | None,
     notes: list[str],
     reshard: bool = True,
+    accumulating: bool = False,
 ) -> dict[str, dict[str, float]]:
     """Upper bounds of the buffers the config sizes, capped at the model (a bucket never
-    holds more than every element). `reshard`: zerorun.stage3_reshard_after_forward."""
+    holds more than every element). `reshard`: zerorun.stage3_reshard_after_forward;
+    `accumulating`: gradient accumulation over more than one micro-step (or "auto")."""
     psi = num_params
     reduce = _zero_size(zero, "reduce_bucket_size")
     if zero is not None and "auto" in (zero.reduce_bucket_size, zero.stage3_prefetch_bucket_size):
         notes.append("bucket sizes set to \"auto\": DeepSpeed's defaults assumed")
     gpu: dict[str, float] = {}
     if stage == 3:
-        gpu.update(_stage3(psi, bpe, zero, reshard, opt_dev, par_dev, n, largest_layer, notes))
+        gpu.update(_stage3(psi, bpe, zero, reshard, opt_dev, par_dev, n, largest_layer, notes, accumulating))
     # Stages 0-1 reduce gradients in place in their flat buffers (the grads term) and gather the
     # updated parameters in place: no separate buffers. At stage 2 each bucket's gradients are
     # staged in a buffer that is reduce-scattered and freed, with up to _REDUCE_STAGING of them
@@ -103,6 +105,7 @@ def _stage3(
     n: int,
     largest_layer: int | None,
     notes: list[str],
+    accumulating: bool = False,
 ) -> dict[str, float]:
     """Stage 3's buffers as runtime/stage3 allocates them, G = the largest parameter group
     (--largest-layer; a module's parameters, usually the root group: embeddings + head):
@@ -119,8 +122,10 @@ def _stage3(
       beyond stage3_max_live_parameters. stage3_reshard_after_forward false keeps every group.
     * reduce_staging (reduce dtype) -- several ranks: one group's staging buffer alive at a
       time (hooks.py retires the previous group's reduce-scatter before the next fills its
-      buffer). One rank writes the gradient shard directly: none (ZERORUN_DEBUG_COLLECTIVES=1
-      stages one group, in place).
+      buffer), with gradient accumulation plus a shard-sized receive buffer (G/N) that is added
+      to the shard. One rank writes the gradient shard directly on the first micro-step; later
+      ones add a concatenation of the group's gradients (G, compute dtype) to it
+      (ZERORUN_DEBUG_COLLECTIVES=1 stages one group instead, in place).
     * group_grads (compute dtype) -- a group's full gradients (p.grad) from its backward to its
       reduction: G. Not in the runtime's own ledger (autograd allocates them).
     """
@@ -149,6 +154,10 @@ def _stage3(
         gathered = min(gathered, psi)
     out["gathered_params"] = float(gathered * bpe.params)
     if n > 1:
-        out["reduce_staging"] = float(group * bpe.grads)
+        # + a shard-sized receive buffer added to the shard on later micro-steps
+        out["reduce_staging"] = float(group * bpe.grads * (1 + (1 / n if accumulating else 0)))
+    elif accumulating:
+        # one rank, later micro-steps: the concatenated gradients (compute dtype) added to the shard
+        out["reduce_staging"] = float(group * bpe.params)
     out["group_grads"] = float(group * bpe.params)
     return out

@@ -84,7 +84,9 @@ def model_state_bytes(
     formulas = {term: " + ".join(texts[term]) for term in TERMS}
 
     reshard = bool(cfg.zerorun.stage3_reshard_after_forward) if cfg is not None else True
-    buffers = _buffers(num_params, stage, bpe, zero, opt_dev, par_dev, n, largest_layer, notes, reshard)
+    buffers = _buffers(
+        num_params, stage, bpe, zero, opt_dev, par_dev, n, largest_layer, notes, reshard, _accumulating(cfg, n)
+    )
     if stage == 3 and zero is not None and zero.stage3_param_persistence_threshold not in (0, "auto"):
         notes.append(
             "stage 3 keeps parameters smaller than stage3_param_persistence_threshold unpartitioned "
@@ -104,6 +106,20 @@ def model_state_bytes(
         pieces=tuple(pieces),
         offload_ratio=ratio,
     )
+
+
+def _accumulating(cfg: Any, n: int) -> bool:
+    """More than one micro-step per optimizer step: gradient_accumulation_steps > 1 or "auto",
+    or derived from train_batch_size / (micro batch × N)."""
+    if cfg is None:
+        return False
+    accum = cfg.gradient_accumulation_steps
+    if accum is None:
+        train, micro = cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu
+        if isinstance(train, int) and isinstance(micro, int) and micro > 0:
+            return train // (micro * n) > 1
+        return False
+    return accum == "auto" or (isinstance(accum, int) and accum > 1)
 
 
 def _pieces(stage: int, bpe: BytesPerElement, opt_dev: Offload, par_dev: Offload, ratio: float = 1.0) -> list[Piece]:
