@@ -395,6 +395,55 @@ def check_delayed_update_warmup_continues_after_resume() -> None:
         resumed.destroy()
 
 
+def check_offload_cpu_step_failure_raises_instead_of_hanging() -> None:
+    # Stage 3 parameter offload with the step started in the backward: a buffer's host
+    # write-back is left to the next forward's fetch (HostPlacement.settle). When its CPU update
+    # raises -- during the backward, or after it -- the fetch raises that error; it used to wait
+    # for good for a write-back that never came (the rank hung, and the job with it).
+    import threading
+    import time
+
+    c = cfg(
+        optimizer={"type": "AdamW", "params": {"lr": 1e-3}},
+        zero_optimization={
+            "stage": 3,
+            "reduce_bucket_size": 16,
+            "stage3_param_persistence_threshold": 0,
+            "offload_optimizer": {"device": "cpu"},
+            "offload_param": {"device": "cpu"},
+        },
+    )
+    for late in (False, True):
+        engine, *_ = zerorun.initialize(model=model(), config=c)
+        placement = engine.stage.state.placement
+        train(engine, 2)
+        assert placement._deferred, "no deferred write-back: the case is not exercised"
+        update = placement._update
+
+        def failing(job, *, push, indices=None, placement=placement, update=update, late=late):  # noqa: ANN001, ANN202
+            if indices is not None and placement._deferrable(indices[0]):
+                while late and placement._early is not None:  # after the backward ended
+                    time.sleep(0.001)
+                raise RuntimeError("injected CPU step failure")
+            return update(job, push=push, indices=indices)
+
+        placement._update = failing
+        got: list[str] = []
+
+        def two_steps(engine=engine, got=got) -> None:  # noqa: ANN001
+            try:
+                train(engine, 2)
+                got.append("no error")
+            except RuntimeError as e:
+                got.append(str(e))
+
+        runner = threading.Thread(target=two_steps, daemon=True)
+        runner.start()
+        runner.join(60)
+        assert got == ["injected CPU step failure"], (late, got or "hung")
+        engine.destroy()
+
+
 CHECKS = [v for k, v in sorted(globals().items()) if k.startswith("check_")]
 
 

@@ -24,6 +24,7 @@ CHECKS = [
     "check_model_parameters_groups",
     "check_no_optimizer",
     "check_non_elementwise_user_optimizer",
+    "check_offload_cpu_step_failure_raises_instead_of_hanging",
     "check_optimizer_of_another_model",
     "check_param_outside_optimizer_is_left_alone",
     "check_plain_loss_backward_then_step",

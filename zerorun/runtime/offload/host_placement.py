@@ -143,6 +143,10 @@ class HostPlacement(ShardPlacement):
         # are ordered after (the step's backward).
         self._deferred: dict[int, threading.Event] = {}
         self._unpushed: set[int] = set()
+        # _failed: buffers whose early update raised (under _sched): no write-back ever comes for
+        # them, so their _deferred event is set at once and settle() raises the worker's error
+        # instead of waiting for good.
+        self._failed: set[int] = set()
         self._deferred_after: Event = None
         self._profile_open = False  # the last step's profile waits for its deferred write-backs
         self.steps = 0  # optimizer steps taken (delayed ones included)
@@ -276,6 +280,7 @@ class HostPlacement(ShardPlacement):
             self._early_work = []
             self._stepped = {}
             self._unpushed = set()
+            self._failed = set()
         if index in self._stepped:
             return
         self._ready = self.copier.ready()  # after the reduction, on the stream that waited for it
@@ -329,6 +334,10 @@ class HostPlacement(ShardPlacement):
                 self._push(index, self._targets[index], after=self._deferred_after, deferred=True)
         except BaseException as e:
             self._worker_error = e
+            with self._sched:
+                # No write-back comes for it: its settle() must raise the error, not wait.
+                self._failed.add(index)
+                issued = self._deferred.get(index)
             raise
         finally:
             self._stepped[index].set()
@@ -422,6 +431,9 @@ class HostPlacement(ShardPlacement):
             with self._sched:
                 self._deferred = {i: threading.Event() for i in later}
                 stepped, self._unpushed = [i for i in later if i in self._unpushed], set()
+                for i in later:
+                    if i in self._failed:  # its update raised: settle() raises, not waits
+                        self._deferred[i].set()
             for i in stepped:  # stepped during the backward: copy them now, in forward order
                 self._push(i, self._targets[i], after=self._deferred_after, deferred=True)
                 self._deferred[i].set()
