@@ -193,6 +193,11 @@ def test_stage3_buffers_follow_the_runtime():
     # one rank with parameters on the host: the host->device copy overlaps, so it prefetches
     par = {"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}, "stage3_prefetch_bucket_size": 10**7}
     assert _s3(psi, 1, g, **par)["gathered_params"] == (2 * g + 10**7 + g) * 2
+    # ... each gather in flight reading a device upload of its host shard (the running group's
+    # and the prefetched ones', a shard each)
+    assert _s3(psi, 1, g, **par)["param_uploads"] == (g + 10**7 + g) * 2
+    assert _s3(psi, 8, g, **{**par, "stage3_prefetch_bucket_size": 0})["param_uploads"] == g / 8 * 2
+    assert "param_uploads" not in _s3(psi, 8, g)
     # several ranks: one group's reduce-scatter staging (the previous one is retired before the
     # next fills its buffer), the groups kept by the reuse distance (< R/2 elements after them,
     # + the first kept group), prefetch up to the bucket (+ the group crossing it) within the

@@ -126,6 +126,8 @@ def _stage3(
       to the shard. One rank writes the gradient shard directly on the first micro-step; later
       ones add a concatenation of the group's gradients (G, compute dtype) to it
       (ZERORUN_DEBUG_COLLECTIVES=1 stages one group instead, in place).
+    * param_uploads (compute dtype; parameters offloaded) -- the device copies of the host
+      shards that gathers in flight read: (G + prefetched) / N.
     * group_grads (compute dtype) -- a group's full gradients (p.grad) from its backward to its
       reduction: G. Not in the runtime's own ledger (autograd allocates them).
     """
@@ -138,21 +140,27 @@ def _stage3(
         )
     out: dict[str, float] = {}
     masters_on_device = opt_dev == "none" and bpe.master > 0
+    prefetch = _zero_size(zero, "stage3_prefetch_bucket_size")
+    ahead = 0  # elements prefetched (gathering or gathered ahead of the running group)
+    if prefetch > 0 and (n > 1 or par_dev != "none"):
+        ahead = min(prefetch + group, _zero_size(zero, "stage3_max_live_parameters"))
     if n == 1 and par_dev == "none" and not masters_on_device:
         gathered = 0
     elif not reshard:
         gathered = psi
     else:
-        gathered = 2 * group
+        gathered = 2 * group + ahead
         if n > 1:
             reuse = _zero_size(zero, "stage3_max_reuse_distance")
             if reuse > 0:
                 gathered += min(reuse // 2 + group, psi)
-        prefetch = _zero_size(zero, "stage3_prefetch_bucket_size")
-        if prefetch > 0 and (n > 1 or par_dev != "none"):
-            gathered += min(prefetch + group, _zero_size(zero, "stage3_max_live_parameters"))
         gathered = min(gathered, psi)
     out["gathered_params"] = float(gathered * bpe.params)
+    if par_dev != "none":
+        # each gather in flight reads its shard from a device upload of the host shard
+        # (offload/params.py HostParamStore.fetch), dropped at the group's wait: the running
+        # group's and the prefetched ones'
+        out["param_uploads"] = float(min(group + ahead, psi) / n * bpe.params)
     if n > 1:
         # + a shard-sized receive buffer added to the shard on later micro-steps
         out["reduce_staging"] = float(group * bpe.grads * (1 + (1 / n if accumulating else 0)))
