@@ -53,6 +53,30 @@ def make_ds_env(path: Path) -> Path:
     return python
 
 
+def setup(doc: str, result: str) -> tuple[argparse.Namespace, Path, str]:
+    """The check scripts' command line: (args, the DeepSpeed venv's python, its DeepSpeed version)."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--ds-env", type=Path, required=True)
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results" / result)
+    args = parser.parse_args()
+    ds_python = make_ds_env(args.ds_env)
+    ds_version = subprocess.run(
+        [str(ds_python), "-c", "import importlib.metadata as m; print(m.version('deepspeed'))"],
+        capture_output=True, text=True, check=True,
+    ).stdout.strip()
+    return args, ds_python, ds_version
+
+
+def copy_zero_to_fp32(ds_python: Path, script: Path, env: dict[str, str] | None = None) -> Path:
+    """Copies the installed DeepSpeed's ``utils/zero_to_fp32.py`` to ``script``."""
+    package = subprocess.run(
+        [str(ds_python), "-c", "import importlib.util as u; print(u.find_spec('deepspeed').submodule_search_locations[0])"],
+        capture_output=True, text=True, check=True, env=env,
+    ).stdout.strip()
+    script.write_bytes(Path(package, "utils", "zero_to_fp32.py").read_bytes())
+    return script
+
+
 def compare(ds_file: Path, ckpt: Path) -> dict:
     import torch
 
@@ -74,19 +98,7 @@ def compare(ds_file: Path, ckpt: Path) -> dict:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--ds-env", type=Path, required=True)
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/deepspeed_layout_check.json")
-    args = parser.parse_args()
-    ds_python = make_ds_env(args.ds_env)
-    ds_version = subprocess.run(
-        [str(ds_python), "-c", "import importlib.metadata as m; print(m.version('deepspeed'))"],
-        capture_output=True, text=True, check=True,
-    ).stdout.strip()
-    package = subprocess.run(
-        [str(ds_python), "-c", "import importlib.util as u; print(u.find_spec('deepspeed').submodule_search_locations[0])"],
-        capture_output=True, text=True, check=True,
-    ).stdout.strip()
+    args, ds_python, ds_version = setup(__doc__, "deepspeed_layout_check.json")
     results: dict = {"deepspeed_version": ds_version, "zero_to_fp32": "deepspeed/utils/zero_to_fp32.py", "cases": {}}
     with tempfile.TemporaryDirectory(prefix="zerorun-dslayout-") as tmp:
         work = Path(tmp)
@@ -99,8 +111,7 @@ def main() -> int:
         results["train_and_save_s"] = round(time.monotonic() - t0, 1)
         # Run from a copy, as users do (DeepSpeed copies it next to its checkpoints); run in its
         # package directory, its sibling ``types.py`` would shadow the standard library's.
-        script = work / "deepspeed_zero_to_fp32.py"
-        script.write_bytes(Path(package, "utils", "zero_to_fp32.py").read_bytes())
+        script = copy_zero_to_fp32(ds_python, work / "deepspeed_zero_to_fp32.py")
         for case in CASES:
             ckpt = work / case
             ds_out = work / f"{case}-ds"

@@ -21,7 +21,6 @@ DeepSpeed installed) reads it in DeepSpeed's layout: compared with DeepSpeed's o
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -34,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 sys.path.insert(0, str(ROOT))
 
-from deepspeed_layout_check import make_ds_env  # noqa: E402
+from deepspeed_layout_check import copy_zero_to_fp32, setup  # noqa: E402
 
 CASES = ["s1-fp32", "s2-fp32", "s3-fp32", "s2-bf16", "s3-bf16"]
 WORKER = "scripts/deepspeed_resume_worker.py"
@@ -75,12 +74,8 @@ def read_deepspeeds_own(ds_python: Path, work: Path, case: str, port: int) -> di
     errors = deepspeed_ranks(ds_python, work, case, "dssave", port)
     if errors:
         return {"error": "deepspeed dssave: " + " | ".join(errors)}
-    package = subprocess.run(
-        [str(ds_python), "-c", "import importlib.util as u; print(u.find_spec('deepspeed').submodule_search_locations[0])"],
-        capture_output=True, text=True, check=True, env=_env(),
-    ).stdout.strip()
-    script = work / "deepspeed_zero_to_fp32.py"  # a copy, as users run it (see deepspeed_layout_check.py)
-    script.write_bytes(Path(package, "utils", "zero_to_fp32.py").read_bytes())
+    # a copy, as users run it (see deepspeed_layout_check.py)
+    script = copy_zero_to_fp32(ds_python, work / "deepspeed_zero_to_fp32.py", env=_env())
     ckpt = work / f"{case}-ds"
     ds = subprocess.run([str(ds_python), str(script), str(ckpt), str(work / f"{case}-ds-fp32")],
                         env=_env(), capture_output=True, text=True)
@@ -102,15 +97,7 @@ def max_diff(a: Path, b: Path) -> float:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--ds-env", type=Path, required=True)
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/deepspeed_resume_check.json")
-    args = parser.parse_args()
-    ds_python = make_ds_env(args.ds_env)
-    ds_version = subprocess.run(
-        [str(ds_python), "-c", "import importlib.metadata as m; print(m.version('deepspeed'))"],
-        capture_output=True, text=True, check=True,
-    ).stdout.strip()
+    args, ds_python, ds_version = setup(__doc__, "deepspeed_resume_check.json")
     results: dict = {"deepspeed_version": ds_version, "cases": {}}
     with tempfile.TemporaryDirectory(prefix="zerorun-dsresume-") as tmp:
         work = Path(tmp)
