@@ -41,7 +41,7 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _load(path: Path) -> dict:
-    from zerorun.runtime.checkpoint.deepspeed_layout import load_file
+    from zerorun.runtime.checkpoint.deepspeed_files import load_file
 
     return load_file(path)  # DeepSpeed's loss-scaler object inside, DeepSpeed not installed here
 
@@ -170,7 +170,7 @@ def test_zerorun_loads_its_own_files_there_at_another_world_size(saved: Path) ->
 @pytest.mark.parametrize("case", ["s1-bf16", "s3-fp16", "s2-fp32-2g", "s3-bf16-2g", "s2-bf16-async"])
 def test_optimizer_states_round_trip(saved: Path, case: str) -> None:
     from zerorun.runtime.checkpoint import CheckpointReader
-    from zerorun.runtime.checkpoint.deepspeed_layout import read_optim_states
+    from zerorun.runtime.checkpoint.deepspeed_read import read_optim_states
 
     tag = saved / case / "global_step3"
     got = read_optim_states(tag)
@@ -265,7 +265,8 @@ def test_a_param_group_without_parameters(saved: Path, case: str, tmp_path: Path
     import shutil
 
     from zerorun.runtime.checkpoint import CheckpointReader
-    from zerorun.runtime.checkpoint.deepspeed_layout import read_optim_states, write_rank_files
+    from zerorun.runtime.checkpoint.deepspeed_layout import write_rank_files
+    from zerorun.runtime.checkpoint.deepspeed_read import read_optim_states
 
     tag = tmp_path / "global_step3"
     shutil.copytree(saved / case / "global_step3", tag)

@@ -45,8 +45,8 @@ Each group's parameters are in the order the script gave them to the optimizer (
 places partitions by position); the stage-3 ``module`` holds every parameter as the empty
 placeholder DeepSpeed's partitioned parameters hold. With that, real DeepSpeed's
 ``load_checkpoint`` resumes from these files and continues exactly as zerorun does
-(scripts/deepspeed_resume_check.py). `read_optim_states` reads them back into whole
-per-parameter tensors (DeepSpeed's own checkpoints too, where they follow this layout).
+(scripts/deepspeed_resume_check.py). ``deepspeed_read`` reads them back into whole
+per-parameter tensors; ``deepspeed_files`` writes and reads the files (DeepSpeed's pickled objects).
 
 Every value is read from zerorun's own shards (``CheckpointReader``), so the fp32 weights are
 exactly what zerorun's consolidation gives and the moments exactly zerorun's. Not written, being
@@ -63,12 +63,9 @@ from __future__ import annotations
 
 import math
 import os
-import pickle
 import shutil
 import stat
-import types
 from collections import OrderedDict
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -76,23 +73,11 @@ import torch
 
 from zerorun.errors import CheckpointError
 
+from .deepspeed_files import DeepSpeedObject, loss_scaler_object, save_file
 from .format import BUFFER, OPTIM_PREFIX, WEIGHT, CheckpointMeta, dtype_from_name
 from .store import CheckpointReader
 
-__all__ = [
-    "DS_VERSION",
-    "RECOVERY_SCRIPT",
-    "optim_file",
-    "model_states_file",
-    "write_rank_files",
-    "copy_recovery_script",
-    "DeepSpeedObject",
-    "DeepSpeedOptimStates",
-    "load_file",
-    "loss_scaler_object",
-    "read_fp32_state_dict",
-    "read_optim_states",
-]
+__all__ = ["DS_VERSION", "RECOVERY_SCRIPT", "optim_file", "model_states_file", "write_rank_files", "copy_recovery_script"]
 
 DS_VERSION = "0.16.4+zerorun"  # zerorun.compat.COMPAT_VERSION (the runtime does not import compat)
 RECOVERY_SCRIPT = "zero_to_fp32.py"
@@ -105,107 +90,6 @@ def optim_file(rank: int, precision: str) -> str:
 
 def model_states_file(rank: int, stage: int) -> str:
     return f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt" if stage == 3 else "mp_rank_00_model_states.pt"
-
-
-@dataclass
-class DeepSpeedObject:
-    """An object of one of DeepSpeed's classes, by its import path, with its attributes: written as
-    that class (DeepSpeed's loader gets its own object back, e.g. the loss scaler its ZeRO-3
-    optimizer reads), without DeepSpeed being installed; read back as this where it is not."""
-
-    path: str  # e.g. "deepspeed.runtime.fp16.loss_scaler.LossScaler"
-    attributes: dict[str, object]
-
-
-class _Pickler(pickle._Pickler):  # the Python pickler: it lets a class be named without importing it
-    def save(self, obj: object, save_persistent_id: bool = True) -> None:
-        if isinstance(obj, DeepSpeedObject):  # what pickling an instance of that class writes
-            module, _, name = obj.path.rpartition(".")
-            self.write(pickle.GLOBAL + f"{module}\n{name}\n".encode())  # type: ignore[attr-defined]
-            self.save(())
-            self.write(pickle.NEWOBJ)  # type: ignore[attr-defined]
-            self.save(obj.attributes)
-            self.write(pickle.BUILD)  # type: ignore[attr-defined]
-            return
-        super().save(obj, save_persistent_id)  # type: ignore[misc]
-
-
-class _Unpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> object:
-        try:
-            return super().find_class(module, name)
-        except (ImportError, AttributeError):
-            if module.split(".")[0] != "deepspeed":
-                raise
-            return _standin_class(f"{module}.{name}")
-
-
-def _standin_class(path: str) -> type:
-    """Where DeepSpeed is not installed, its objects load as DeepSpeedObject(path, attributes)."""
-
-    class Standin(DeepSpeedObject):
-        def __new__(cls, *args: object) -> Any:
-            """Unpickling calls it: with no arguments for an object (then __setstate__ with its
-            attributes), with the value for an enum (DeepSpeed's ZeroStageEnum: the value is
-            what counts), with the fields for a namedtuple (kept as ``args``)."""
-            if len(args) == 1 and isinstance(args[0], (bool, int, float, str)):
-                return args[0]
-            obj = object.__new__(cls)
-            obj.path, obj.attributes = path, ({"args": args} if args else {})
-            return obj
-
-        def __init__(self, *args: object) -> None:  # fields set in __new__
-            pass
-
-        def __setstate__(self, state: dict[str, object]) -> None:
-            self.attributes.update(state)
-
-    return Standin
-
-
-_PICKLE = types.ModuleType("zerorun_deepspeed_pickle")
-_PICKLE.Pickler = _Pickler  # type: ignore[attr-defined]
-_PICKLE.Unpickler = _Unpickler  # type: ignore[attr-defined]
-_PICKLE.load = pickle.load  # type: ignore[attr-defined]
-
-
-def _save(obj: object, path: Path) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        torch.save(obj, f, pickle_module=_PICKLE)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def load_file(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """One DeepSpeed-layout file (``torch.load``; DeepSpeed's objects in it as `DeepSpeedObject`
-    where DeepSpeed is not installed)."""
-    try:
-        return torch.load(path, map_location="cpu", weights_only=False, pickle_module=_PICKLE)
-    except (OSError, RuntimeError, EOFError, ValueError, pickle.UnpicklingError) as err:
-        raise CheckpointError(f"{path}: cannot read ({err})") from err
-
-
-def loss_scaler_object(
-    scale: float, *, dynamic: bool, state: dict[str, float | int | bool] | None = None
-) -> DeepSpeedObject:
-    """DeepSpeed's loss scaler with zerorun's scaler state: ``LossScaler`` (static: bf16, fp32,
-    fp16 with a fixed ``loss_scale``) or ``DynamicLossScaler`` (fp16) with its attributes --
-    ``state``: cur_iter, last_overflow_iter, window, min_scale, hysteresis, cur_hysteresis,
-    consecutive_hysteresis, raise_error_at_min_scale."""
-    base = "deepspeed.runtime.fp16.loss_scaler."
-    if not dynamic:
-        return DeepSpeedObject(base + "LossScaler", {"cur_scale": float(scale), "dynamic": False})
-    st = state or {}
-    return DeepSpeedObject(base + "DynamicLossScaler", {
-        "cur_scale": float(scale), "dynamic": True, "cur_iter": int(st.get("cur_iter", 0)),
-        "last_overflow_iter": int(st.get("last_overflow_iter", -1)), "scale_factor": 2.0,
-        "scale_window": int(st.get("window", 1000)), "min_scale": float(st.get("min_scale", 1.0)),
-        "delayed_shift": int(st.get("hysteresis", 2)), "cur_hysteresis": int(st.get("cur_hysteresis", 2)),
-        "consecutive_hysteresis": bool(st.get("consecutive_hysteresis", False)),
-        "raise_error_at_min_scale": bool(st.get("raise_error_at_min_scale", True)), "dtype": torch.float16,
-    })
 
 
 def _flat_range(reader: CheckpointReader, kind: str, names: list[str], lo: int, hi: int) -> torch.Tensor:
@@ -375,7 +259,7 @@ def write_rank_files(
                     (p.name, piece) for p, piece in zip(frozen, pieces, strict=True)
                 )
             path = tag_dir / model_states_file(rank, 3)
-            _save(states, path)
+            save_file(states, path)
             written.append(path)
         elif rank == 0:
             module: OrderedDict[str, torch.Tensor] = OrderedDict()
@@ -393,7 +277,7 @@ def write_rank_files(
                     (p.name, reader.read_full(p.name, WEIGHT, dtype=torch.float32).reshape(p.shape)) for p in frozen
                 )
             path = tag_dir / model_states_file(0, stage)
-            _save(states, path)
+            save_file(states, path)
             written.append(path)
         if stage >= 1 and trainable:
             optim = {
@@ -404,7 +288,7 @@ def write_rank_files(
                 "ds_version": DS_VERSION,
             }
             path = tag_dir / optim_file(rank, meta.precision)
-            _save(optim, path)
+            save_file(optim, path)
             written.append(path)
     return written
 
@@ -418,128 +302,3 @@ def copy_recovery_script(save_dir: str | os.PathLike[str]) -> Path:
     os.chmod(tmp, os.stat(tmp).st_mode | stat.S_IEXEC)
     os.replace(tmp, dst)
     return dst
-
-
-@dataclass
-class DeepSpeedOptimStates:
-    """A DeepSpeed-layout checkpoint's optimizer states, whole per parameter (`read_optim_states`)."""
-
-    stage: int
-    world_size: int
-    groups: list[list[str]]  # trainable parameter names per optimizer param group, in order
-    param_groups: list[dict[str, object]]  # hyperparameters per group ("params" left out)
-    scalars: list[dict[str, object]]  # non-elementwise state per group (Adam's "step")
-    tensors: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)  # name -> {"fp32", "exp_avg", ...}
-
-
-def _rank_of(path: Path) -> int:
-    return int(path.name.split("zero_pp_rank_")[1].split("_")[0])
-
-
-def read_optim_states(tag_dir: str | os.PathLike[str]) -> DeepSpeedOptimStates:
-    """The fp32 master weights and elementwise optimizer states of a DeepSpeed-layout tag
-    directory (stages 1-3; the files above), reassembled into whole tensors in each parameter's
-    shape: the inverse of `write_rank_files`, for any world size it was written at."""
-    tag_dir = Path(tag_dir)
-    optim_paths = sorted(tag_dir.glob("*zero_pp_rank_*_mp_rank_00_optim_states.pt"), key=_rank_of)
-    model_paths = sorted(tag_dir.glob("*_model_states.pt"))
-    if not optim_paths or not model_paths:
-        raise CheckpointError(f"{tag_dir}: no DeepSpeed optimizer and model state files (stages 1-3 write them)")
-    sds = [load_file(p)["optimizer_state_dict"] for p in optim_paths]
-    world, stage = len(sds), int(sds[0]["zero_stage"])
-    if [_rank_of(p) for p in optim_paths] != list(range(world)):
-        raise CheckpointError(f"{tag_dir}: optimizer state files of ranks {[_rank_of(p) for p in optim_paths]}")
-    shapes: list[dict[str, torch.Size]] = load_file(model_paths[0])["param_shapes"]
-    if stage == 3:
-        base = [sd["optimizer_state_dict"] for sd in sds]
-        flats = [sd["fp32_flat_groups"] for sd in sds]
-    else:
-        base = [sd["base_optimizer_state"] for sd in sds]
-        flats = [sd["single_partition_of_fp32_groups"] for sd in sds]
-    rigid = isinstance(base[0], dict)
-    per_rank_states = [b["state"] if rigid else dict(enumerate(b)) for b in base]
-    num_groups = len(flats[0])
-    keys = sorted({k for st in per_rank_states for s in st.values() for k, v in s.items() if torch.is_tensor(v) and v.dim() > 0})
-    scalars = [{k: v for k, v in per_rank_states[0].get(g, {}).items() if not (torch.is_tensor(v) and v.dim() > 0)}
-               for g in range(num_groups)]
-    hyper = [{k: v for k, v in pg.items() if k != "params"} for pg in base[0]["param_groups"]] if rigid else []
-    out = DeepSpeedOptimStates(stage, world, [list(s) for s in shapes], hyper, scalars)
-
-    def streams(g: int) -> dict[str, list[torch.Tensor]]:
-        """Per kind ("fp32" + optimizer keys), each rank's piece of group g."""
-        got: dict[str, list[torch.Tensor]] = {"fp32": [f[g].float() for f in flats]}
-        for key in keys:
-            pieces = []
-            for r, st in enumerate(per_rank_states):
-                t = st.get(g, {}).get(key)
-                if t is None:
-                    raise CheckpointError(f"{optim_paths[r]}: no {key!r} state for param group {g}")
-                if stage != 3 and rigid:  # the rigid form keeps the partition's padding
-                    t = t[: flats[r][g].numel()]
-                pieces.append(t.float())
-            got[key] = pieces
-        return got
-
-    if stage == 3:  # each rank: ceil(numel / world) of every parameter, groups one after another
-        names = [(n, shape) for group in shapes for n, shape in group.items()]
-        per_kind: dict[str, list[list[torch.Tensor]]] = {}
-        for g in range(num_groups):
-            for kind, pieces in streams(g).items():
-                ranks = per_kind.setdefault(kind, [[] for _ in range(world)])
-                for r, t in enumerate(pieces):
-                    ranks[r].append(t)
-        for kind, per_rank in per_kind.items():
-            rank_flats = [torch.cat(ts) for ts in per_rank]
-            offset = 0
-            for name, shape in names:
-                chunk = math.ceil(shape.numel() / world)
-                whole = torch.cat([f[offset : offset + chunk] for f in rank_flats])[: shape.numel()]
-                out.tensors.setdefault(name, {})[kind] = whole.view(shape)
-                offset += chunk
-    else:  # each group: the ranks' partitions one after another, parameters in order
-        if len(shapes) != num_groups:
-            raise CheckpointError(f"{tag_dir}: {len(shapes)} param_shapes groups for {num_groups} optimizer groups")
-        for g, group in enumerate(shapes):
-            for kind, pieces in streams(g).items():
-                flat = torch.cat(pieces)
-                offset = 0
-                for name, shape in group.items():
-                    if offset + shape.numel() > flat.numel():
-                        raise CheckpointError(f"{tag_dir}: group {g} holds {flat.numel()} elements, fewer than its shapes")
-                    out.tensors.setdefault(name, {})[kind] = flat[offset : offset + shape.numel()].view(shape)
-                    offset += shape.numel()
-    return out
-
-
-def read_fp32_state_dict(tag_dir: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
-    """The whole model in fp32 from a DeepSpeed-layout tag directory alone (no zerorun files: a
-    checkpoint DeepSpeed itself wrote, say): trainable parameters from the optimizer files
-    (stages 1-3) or ``module`` (stage 0), frozen parameters from their fragments, buffers from
-    ``module``, tied aliases from ``shared_params`` -- what DeepSpeed's ``zero_to_fp32.py`` gives."""
-    tag_dir = Path(tag_dir)
-    model_paths = sorted(tag_dir.glob("*_model_states.pt"))
-    if not model_paths:
-        raise CheckpointError(f"{tag_dir}: no DeepSpeed model states file (*_model_states.pt)")
-    model = load_file(model_paths[0])
-    out: dict[str, torch.Tensor] = {
-        k: v.float() for k, v in model["module"].items() if k in set(model.get("buffer_names") or [])
-    }
-    if any(tag_dir.glob("*zero_pp_rank_*_optim_states.pt")):
-        states = read_optim_states(tag_dir)
-        out.update({name: kinds["fp32"] for name, kinds in states.tensors.items()})
-        stage = states.stage
-    else:  # stage 0: the module holds every parameter
-        out.update({k: v.float() for k, v in model["module"].items()})
-        stage = 0
-    frozen_shapes = model.get("frozen_param_shapes") or {}
-    if frozen_shapes and stage == 3:
-        ranks = [load_file(p)["frozen_param_fragments"] for p in sorted(model_paths, key=_rank_of)]
-        for name, shape in frozen_shapes.items():
-            whole = torch.cat([r[name].float() for r in ranks])[: shape.numel()]
-            out[name] = whole.view(shape)
-    elif frozen_shapes:
-        out.update({k: v.float().view(frozen_shapes[k]) for k, v in (model.get("frozen_param_fragments") or {}).items()})
-    for alias, name in (model.get("shared_params") or {}).items():
-        if name in out:
-            out[alias] = out[name]
-    return out

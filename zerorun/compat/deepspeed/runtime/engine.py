@@ -324,14 +324,14 @@ class DeepSpeedEngine(nn.Module):
                 for g in range(len(self._engine.optimizer.param_groups))]
 
     def _write_deepspeed_layout(self, tmp_tag_dir: Path, rank: int) -> None:
-        from zerorun.runtime.checkpoint import deepspeed_layout
+        from zerorun.runtime.checkpoint import deepspeed_files, deepspeed_layout
         from zerorun.runtime.checkpoint.format import ENGINE_STATE_FILE
 
         # DeepSpeed's scaler object for its loader: the saved scaler state (an asynchronous save
         # writes a snapshot while training goes on) with the scaler's fixed settings.
         scaler = self._engine.loss_scaler
         saved = torch.load(tmp_tag_dir / ENGINE_STATE_FILE, map_location="cpu", weights_only=False)["loss_scaler"]
-        ds_scaler = deepspeed_layout.loss_scaler_object(saved["scale"], dynamic=bool(saved["dynamic"]), state={
+        ds_scaler = deepspeed_files.loss_scaler_object(saved["scale"], dynamic=bool(saved["dynamic"]), state={
             **saved, "window": scaler.window, "min_scale": scaler.min_scale, "hysteresis": scaler.hysteresis,
             "consecutive_hysteresis": scaler.consecutive_hysteresis, "raise_error_at_min_scale": scaler.raise_error_at_min_scale,
         })

@@ -5,7 +5,7 @@ zerorun's shard format; these are DeepSpeed's three entry points over zerorun's 
 (runtime/checkpoint/consolidate.py, also ``zerorun consolidate``). ``checkpoint_dir`` is the
 directory holding ``latest`` (e.g. a Trainer's ``checkpoint-500``), or a tag directory. A tag that
 holds only DeepSpeed's files (written by DeepSpeed itself, before the switch to zerorun) is read
-in DeepSpeed's layout (runtime/checkpoint/deepspeed_layout.read_fp32_state_dict).
+in DeepSpeed's layout (runtime/checkpoint/deepspeed_read.read_fp32_state_dict).
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def get_fp32_state_dict_from_zero_checkpoint(
 
     deepspeed_tag = _deepspeed_only_tag(checkpoint_dir, tag)
     if deepspeed_tag is not None:
-        from zerorun.runtime.checkpoint.deepspeed_layout import read_fp32_state_dict
+        from zerorun.runtime.checkpoint.deepspeed_read import read_fp32_state_dict
 
         return read_fp32_state_dict(deepspeed_tag)
     return get_fp32_state_dict(checkpoint_dir, tag)
