@@ -44,12 +44,13 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
-from zerorun.runtime.observe.timers import PhaseSource, PhaseValue
+from zerorun.runtime.observe.timers import PhaseSource
 from zerorun.runtime.offload.adam import AdamHyper, adam_tile, ensure_state, hyper_of, supports_tiles
 from zerorun.runtime.offload.dpu import DelayPolicy
 from zerorun.runtime.offload.host import Copier, host_empty, tiles
 from zerorun.runtime.offload.options import OffloadOptions
 from zerorun.runtime.offload.runner import StepRunner
+from zerorun.runtime.offload.step_profile import StepProfile
 from zerorun.runtime.offload.twinflow import device_buffers, ready_order
 from zerorun.runtime.sharded_state import ShardPlacement
 
@@ -148,17 +149,10 @@ class HostPlacement(ShardPlacement):
         # instead of waiting for good.
         self._failed: set[int] = set()
         self._deferred_after: Event = None
-        self._profile_open = False  # the last step's profile waits for its deferred write-backs
         self.steps = 0  # optimizer steps taken (delayed ones included)
         self.delayed_steps = 0
         self.early_steps = 0  # steps whose CPU work started during backward
-        # Where the last step's time went (seconds; what limits offload on a given machine):
-        # gradient_wait_s / io_wait_s / adam_s / staging_s on the worker, main_wait_s the
-        # training thread blocked on it. With the delayed update the worker's share is the
-        # previous step's.
-        self.last_profile: dict[str, float] = {}
-        self._prof: dict[str, float] = {}
-        self._phases: dict[str, PhaseValue] = {}  # the last step's sub-phases (phase_timer)
+        self.profile = StepProfile()
 
     # -- storage (subclasses) -----------------------------------------------------------------
     def _new_master(self, index: int, numel: int, fp32_init: Callable[[], torch.Tensor]) -> torch.Tensor:
@@ -386,10 +380,12 @@ class HostPlacement(ShardPlacement):
         try:
             self._step(optimizer)
         finally:
-            self._add("main_wait_s", time.perf_counter() - t0)
+            self.profile.add("main_wait_s", time.perf_counter() - t0)
 
-    def _add(self, key: str, seconds: float) -> None:
-        self._prof[key] = self._prof.get(key, 0.0) + seconds
+    @property
+    def last_profile(self) -> dict[str, float]:
+        """Where the last complete step's time went, seconds (`StepProfile`)."""
+        return self.profile.last
 
     def _step(self, optimizer: Optimizer) -> None:
         if self._early is not None:
@@ -465,17 +461,16 @@ class HostPlacement(ShardPlacement):
         Copier.wait(self._up_ev[index][-1])
         if not self._deferred:
             self._deferred_after = None
-            if self._profile_open:
-                self._profile_open = False
+            if self.profile.pending:
                 self._close_profile()
 
     def _close_profile(self) -> None:
-        """The step's profile (and wall_clock_breakdown sub-phases) is complete: publish it.
-        With deferred write-backs that is when the last of them landed, during the next forward
-        (or at the next step / synchronize): last_profile is then the previous step's, whole."""
-        self.last_profile, self._prof = self._prof, {}
-        if self.copier.timing:
-            self._phases = self._sub_phases(self.last_profile)
+        self.profile.close(self.copier, self._param_copier())
+
+    def _param_copier(self) -> Copier | None:
+        """Stage 3 parameter offload's copier (its fetches), if any."""
+        copier = getattr(self.param_store, "copier", None)
+        return copier if isinstance(copier, Copier) else None
 
     def _flush_deferred(self) -> None:
         """Every deferred write-back done (before anything else touches masters or shards)."""
@@ -539,10 +534,10 @@ class HostPlacement(ShardPlacement):
             # mode only the last flat buffer's copies are still in flight here.
             t0 = time.perf_counter()
             Copier.wait(self._last_up)
-            self._add("main_wait_s", time.perf_counter() - t0)
+            self.profile.add("main_wait_s", time.perf_counter() - t0)
             self._host_dst = False
         if self._deferred:
-            self._profile_open = True  # complete once the deferred write-backs are (settle)
+            self.profile.pending = True  # complete once the deferred write-backs are (settle)
         else:
             self._close_profile()
         self.copier.fence(self._last_up)
@@ -563,30 +558,10 @@ class HostPlacement(ShardPlacement):
         """wall_clock_breakdown (observe/timers.py OFFLOAD_PHASES): time the copies from now on
         and hand the step timers each step's sub-phases."""
         self.copier.timing = True
-        store_copier = getattr(self.param_store, "copier", None)
-        if isinstance(store_copier, Copier):
-            store_copier.timing = True
-
-        def take() -> dict[str, PhaseValue]:
-            phases, self._phases = self._phases, {}
-            return phases
-
-        return take
-
-    def _sub_phases(self, prof: dict[str, float]) -> dict[str, PhaseValue]:
-        marks = self.copier.take_marks()
-        out: dict[str, PhaseValue] = {
-            "offload_d2h": marks.get("d2h", []),
-            "offload_cpu_step": 1e3 * (prof.get("adam_s", 0.0) + prof.get("staging_s", 0.0)),
-            "offload_h2d": marks.get("h2d", []),
-            "offload_grad_wait": 1e3 * prof.get("gradient_wait_s", 0.0),
-            "offload_io_wait": 1e3 * prof.get("io_wait_s", 0.0),
-            "offload_step_wait": 1e3 * prof.get("main_wait_s", 0.0),
-        }
-        store_copier = getattr(self.param_store, "copier", None)
-        if isinstance(store_copier, Copier):  # stage 3's parameter fetches (offload_param)
-            out["offload_param_fetch"] = store_copier.take_marks().get("h2d", [])
-        return out
+        param_copier = self._param_copier()
+        if param_copier is not None:
+            param_copier.timing = True
+        return self.profile.take
 
     def synchronize(self) -> None:
         self.runner.join()  # (a step started during backward completes in step(); not here)
@@ -664,10 +639,10 @@ class HostPlacement(ShardPlacement):
                 t3 = clock()
                 self._stage_tile(t.i, t.k, t.a, t.b, t.param, push)
                 t4 = clock()
-                self._add("io_wait_s", t1 - t0)  # NVMe: waiting for the tile read (in memory: ~0)
-                self._add("gradient_wait_s", t2 - t1)
-                self._add("adam_s", t3 - t2)
-                self._add("staging_s", t4 - t3)
+                self.profile.add("io_wait_s", t1 - t0)  # NVMe: waiting for the tile read (in memory: ~0)
+                self.profile.add("gradient_wait_s", t2 - t1)
+                self.profile.add("adam_s", t3 - t2)
+                self.profile.add("staging_s", t4 - t3)
                 t0 = clock()
 
     def _stage_tile(self, i: int, k: int, a: int, b: int, updated: torch.Tensor, push: bool) -> None:
