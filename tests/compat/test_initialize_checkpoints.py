@@ -14,26 +14,16 @@ import subprocess
 import time
 from pathlib import Path
 
+from runtime.checkpoint._ft_job import ft_config, ft_losses
+
 from ._run import PYTHON, ROOT, env
 
 WORKER = ROOT / "tests" / "runtime" / "checkpoint" / "_ft_worker.py"
 STEPS = 8
 
 
-def _config(ckpt: Path) -> dict:
-    return {
-        "train_micro_batch_size_per_gpu": 2,
-        "gradient_accumulation_steps": 1,
-        "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.01}},
-        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.01, "warmup_num_steps": 5}},
-        "zero_optimization": {"stage": 2, "reduce_bucket_size": 150},
-        "steps_per_print": 1000,
-        "zerorun": {"checkpoint": {"dir": str(ckpt), "auto_resume": True, "every_n_steps": 2}},
-    }
-
-
 def _launch(out: Path, *args: str, slow: str = "0") -> subprocess.Popen[str]:
-    extra = {"FT_COMPAT": "1", "FT_CONFIG": json.dumps(_config(out / "ckpt")), "FT_OUT": str(out), "FT_STEPS": str(STEPS)}
+    extra = {"FT_COMPAT": "1", "FT_CONFIG": json.dumps(ft_config(out / "ckpt")), "FT_OUT": str(out), "FT_STEPS": str(STEPS)}
     return subprocess.Popen(
         [PYTHON, "-m", "zerorun", "--deepspeed-compat", "--num_gpus", "2", "--device", "cpu", *args, str(WORKER)],
         cwd=ROOT, env=env(FT_SLOW=slow, TORCH_CPP_LOG_LEVEL="ERROR", **extra), text=True,
@@ -49,11 +39,6 @@ def _finish(proc: subprocess.Popen[str], timeout: float) -> tuple[int, str]:
         _out, err = proc.communicate()
         raise AssertionError(f"the launcher did not finish in {timeout} s\n{err[-4000:]}") from None
     return proc.returncode, err
-
-
-def _losses(out: Path) -> dict[int, float]:
-    rows = [json.loads(x) for x in (out / "losses_rank0.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in rows}
 
 
 def test_periodic_saves_and_preemption_act_through_the_deepspeed_engine(tmp_path: Path) -> None:
@@ -92,7 +77,7 @@ def test_periodic_saves_and_preemption_act_through_the_deepspeed_engine(tmp_path
     code, err = _finish(_launch(run), 180)  # the next submission: auto_resume loads `latest`
     assert code == 0, err[-4000:]
     assert f"resumed from {run / 'ckpt' / saved} at step {step}" in err
-    got, want = _losses(run), _losses(ref)
+    got, want = ft_losses(run), ft_losses(ref)
     assert sorted(got) == [s for s in range(1, STEPS + 1) if s != step]
     assert all(got[s] == want[s] for s in got), (got, want)
     a, b = get_fp32_state_dict(run / "final"), get_fp32_state_dict(ref / "final")

@@ -31,6 +31,7 @@ from zerorun.launch.result import PREEMPTED_EXIT_CODE, JobResult, RankState
 
 sys.path.insert(0, str(REPO / "tests"))
 from _ranks import run_ranks  # noqa: E402
+from runtime.checkpoint._ft_job import ft_config, ft_losses  # noqa: E402
 
 WORKER = REPO / "tests" / "runtime" / "checkpoint" / "_ft_worker.py"
 RESTART_JOB = SCRIPTS / "restart_job.py"
@@ -330,24 +331,6 @@ def test_per_node_mode_every_node_restarts_and_they_meet_again(tmp_path: Path) -
 # --- real training jobs: kill -9 + restart + auto-resume, preemption ----------------------
 
 
-def _config(ckpt: Path) -> dict:
-    return {
-        "train_micro_batch_size_per_gpu": 2,
-        "gradient_accumulation_steps": 1,
-        "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.01}},
-        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.01, "warmup_num_steps": 5}},
-        "zero_optimization": {"stage": 2, "reduce_bucket_size": 150},
-        "steps_per_print": 1000,
-        "zerorun": {"checkpoint": {"dir": str(ckpt), "auto_resume": True, "every_n_steps": 2}},
-    }
-
-
-def _losses(out: Path) -> dict[int, float]:
-    """Step -> loss of the last run that logged it (a replayed step overwrites)."""
-    rows = [json.loads(x) for x in (out / "losses_rank0.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in rows}
-
-
 def _masters(out: Path) -> dict:
     from zerorun.runtime.checkpoint import get_fp32_state_dict
 
@@ -357,7 +340,7 @@ def _masters(out: Path) -> dict:
 def _job(tmp: Path, name: str) -> tuple[Path, dict[str, str]]:
     out = tmp / name
     out.mkdir()
-    env = {"FT_CONFIG": json.dumps(_config(out / "ckpt")), "FT_OUT": str(out), "FT_STEPS": str(STEPS)}
+    env = {"FT_CONFIG": json.dumps(ft_config(out / "ckpt")), "FT_OUT": str(out), "FT_STEPS": str(STEPS)}
     (out / "config.json").write_text(env["FT_CONFIG"])
     return out, env
 
@@ -398,7 +381,7 @@ def test_kill9_restart_resumes_and_matches_the_uninterrupted_run(tmp_path: Path,
     rows = [json.loads(x) for x in (out / "losses_rank0.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6, 7, 7, 8]
     assert rows[-1]["resumed_from"].endswith("ckpt/global_step6")
-    assert _losses(out) == _losses(reference)
+    assert ft_losses(out) == ft_losses(reference)
     _close(_masters(out), _masters(reference))
 
 
@@ -441,7 +424,7 @@ def test_sigterm_with_save_on_preemption_saves_exits_75_and_resumes(tmp_path: Pa
     assert f"resumed from {out / 'ckpt' / saved} at step {step}" in err
     # Every step's loss equals the uninterrupted run's; the preempted step's loss was never
     # logged (engine.step() saved and exited before the script saw it).
-    got, ref = _losses(out), _losses(reference)
+    got, ref = ft_losses(out), ft_losses(reference)
     assert sorted(got) == [s for s in range(1, STEPS + 1) if s != step]
     assert all(got[s] == ref[s] for s in got)
     _close(_masters(out), _masters(reference))
@@ -456,7 +439,7 @@ def test_a_restart_on_fewer_ranks_re_resolves_the_batch_and_says_what_changed(tm
     from step 2 and finish."""
     out = tmp_path / "out"
     out.mkdir()
-    config = {**_config(out / "ckpt"), "train_batch_size": 6}  # micro 2 (accumulation derived)
+    config = {**ft_config(out / "ckpt"), "train_batch_size": 6}  # micro 2 (accumulation derived)
     del config["gradient_accumulation_steps"]
     (tmp_path / "ds.json").write_text(json.dumps(config))
     (tmp_path / "hosts").write_text("localhost slots=2\n127.0.0.1 slots=1\n")
