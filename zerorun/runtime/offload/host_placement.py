@@ -54,7 +54,7 @@ from zerorun.runtime.offload.step_profile import StepProfile
 from zerorun.runtime.offload.twinflow import device_buffers, ready_order
 from zerorun.runtime.sharded_state import ShardPlacement
 
-__all__ = ["HostPlacement", "StepJob", "TileView", "pick_next"]
+__all__ = ["HostPlacement", "StepJob", "TileView", "pick_next", "warn_once"]
 
 Event = Any  # torch.cuda.Event | None
 
@@ -100,7 +100,7 @@ class HostPlacement(ShardPlacement):
         self.device = device
         self.pin = opts.pin_memory and device.type == "cuda"
         if device.type == "cuda" and not opts.pin_memory:
-            _hint_once(
+            warn_once(
                 "zero_optimization.offload_optimizer.pin_memory is false (DeepSpeed's default): host copies are "
                 "synchronous and about half as fast, so they cannot overlap the CPU step; set pin_memory: true "
                 "unless `ulimit -l` is small"
@@ -675,10 +675,12 @@ def pick_next(
     return min(ready) if ready else min(queue, key=lambda e: e[1])
 
 
-_hinted: set[str] = set()
+_warned: set[str] = set()
 
 
-def _hint_once(message: str) -> None:
-    if message not in _hinted:
-        _hinted.add(message)
+def warn_once(message: str) -> None:
+    """A notice about this process's offload set-up, once per process (every placement of a run
+    would repeat it)."""
+    if message not in _warned:
+        _warned.add(message)
         warnings.warn(message, stacklevel=3)

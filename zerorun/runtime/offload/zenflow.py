@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -45,6 +44,7 @@ from torch.optim import Optimizer
 
 from zerorun.runtime.offload.adam import adam_tile, hyper_of, supports_tiles
 from zerorun.runtime.offload.cpu import CpuPlacement
+from zerorun.runtime.offload.host_placement import warn_once
 from zerorun.runtime.partition import FlatLayout
 
 __all__ = ["ZenFlowPlacement", "column_pieces"]
@@ -139,7 +139,7 @@ class ZenFlowPlacement(CpuPlacement):
         self._take_carried(optimizer)  # what a synchronize put there for a checkpoint: stale now
         if not self._selective or not supports_tiles(optimizer):
             if self._selective:
-                _warn_once(f"zenflow: {type(optimizer).__name__} is not supported (Adam and AdamW are); exact steps")
+                warn_once(f"zenflow: {type(optimizer).__name__} is not supported (Adam and AdamW are); exact steps")
             super()._step(optimizer)
             return
         first = self._idx[0] is None if self._idx else True
@@ -362,11 +362,3 @@ class ZenFlowPlacement(CpuPlacement):
     _optimizer: Optimizer | None = None
     _group_of: dict[int, dict[str, Any]] = {}  # noqa: RUF012
 
-
-_warned: set[str] = set()
-
-
-def _warn_once(message: str) -> None:
-    if message not in _warned:
-        _warned.add(message)
-        warnings.warn(message, stacklevel=3)
