@@ -68,6 +68,25 @@ def mpi_reports(prefix: Path, out: str) -> dict[int, str]:
     return reports
 
 
+def mpirun_forward(env: dict[str, str]) -> list[str]:
+    """A user's mpirun job: this checkout on PYTHONPATH (changes ``env``), and mpirun's -x flags
+    that forward the job's variables to every rank."""
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).parents[2]), env.get("PYTHONPATH")]))
+    return [a for name in ("OMP_NUM_THREADS", "TORCH_CPP_LOG_LEVEL", "PYTHONPATH", "MN_MODE", "MN_CONFIG", "MN_REPORT")
+            for a in ("-x", name)]
+
+
+def run_user_mpirun(argv: list[str], env: dict[str, str], cwd: Path, prefix: Path) -> tuple[dict[int, str], dict[int, str], str]:
+    """Runs a user's mpirun command line, which must succeed: each rank's report (mpi_reports),
+    each rank's final loss, and mpirun's output."""
+    proc = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=cwd, timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    reports = mpi_reports(prefix, out)
+    losses = {rank: m[1] for rank, text in reports.items() for m in re.finditer(r"^ZSTEP 29 loss (\S+)$", text, re.M)}
+    return reports, losses, out
+
+
 def zero_args(nodes, tmp_path: Path) -> list[str]:  # type: ignore[no-untyped-def]
     return ["--device", "cpu", "--pg_timeout", "60", "--config", str(config(nodes, tmp_path)), "--env", "MN_MODE=zero", str(SCRIPT)]
 
@@ -284,23 +303,17 @@ def test_user_started_mpirun_finds_rank0s_host(cluster, reference, tmp_path: Pat
     conf.write_text(ZERO_CONFIG)
     prefix = tmp_path / "report"
     env = launcher_env(cluster, OMPI_MCA_plm_rsh_agent=rsh, MN_MODE="zero", MN_CONFIG=str(conf), MN_REPORT=str(prefix))
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).parents[2]), env.get("PYTHONPATH")]))
-    forward = [a for name in ("OMP_NUM_THREADS", "TORCH_CPP_LOG_LEVEL", "PYTHONPATH", "MN_MODE", "MN_CONFIG", "MN_REPORT")
-               for a in ("-x", name)]
+    forward = mpirun_forward(env)
     # Open MPI takes -x per application context (the part of the command line between colons).
     argv = ["mpirun", "--allow-run-as-root", "--bind-to", "none", "--tag-output",
             "-np", "2", "-H", "node1:2", *forward, "env", "MN_INIT=zerorun", sys.executable, str(SCRIPT), ":",
             "-np", "2", "-H", "node2:2", *forward, sys.executable, "-m", "zerorun.shim", str(SCRIPT)]
-    proc = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out
-    reports = mpi_reports(prefix, out)
+    reports, losses, out = run_user_mpirun(argv, env, tmp_path, prefix)
     for rank, text in reports.items():
         host = f"node{rank // 2 + 1}"
         assert re.search(rf"^INFO rank={rank} world=4 .*host={host} master=node1$", text, re.M), (rank, text, out)
     # The shim exported torchrun's local variables; zerorun's own process group needs none.
     assert re.search(r"^INFO rank=3 world=4 local_rank=1 local_world=2 ", reports[3], re.M), (reports[3], out)
-    losses = {rank: m[1] for rank, text in reports.items() for m in re.finditer(r"^ZSTEP 29 loss (\S+)$", text, re.M)}
     assert losses == reference, (reports, out)
     assert not wait_clean(cluster.nodes[:2], 10)
 
@@ -313,20 +326,14 @@ def test_user_mpirun_inside_an_allocation(cluster, slurm, reference, tmp_path: P
     conf.write_text(ZERO_CONFIG)
     prefix = tmp_path / "report"
     env = slurm.env(launcher_env(cluster, MN_MODE="zero", MN_CONFIG=str(conf), MN_REPORT=str(prefix)))
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).parents[2]), env.get("PYTHONPATH")]))
-    forward = [a for name in ("OMP_NUM_THREADS", "TORCH_CPP_LOG_LEVEL", "PYTHONPATH", "MN_MODE", "MN_CONFIG", "MN_REPORT")
-               for a in ("-x", name)]
+    forward = mpirun_forward(env)
     argv = ["salloc", "-N2", "--ntasks-per-node=2", "mpirun", "--allow-run-as-root", "-np", "4", "--bind-to", "none",
             "--tag-output", *forward, sys.executable, "-m", "zerorun.shim", str(SCRIPT)]
-    proc = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out
-    reports = mpi_reports(prefix, out)
+    reports, losses, out = run_user_mpirun(argv, env, tmp_path, prefix)
     for rank, text in reports.items():
         host = f"node{rank // 2 + 1}"
         assert re.search(rf"^INFO rank={rank} world=4 local_rank={rank % 2} .*host={host} master=node1$", text, re.M), (
             rank, text, out)  # fmt: skip
-    losses = {rank: m[1] for rank, text in reports.items() for m in re.finditer(r"^ZSTEP 29 loss (\S+)$", text, re.M)}
     assert losses == reference, (reports, out)
     assert not wait_clean(slurm.nodes, 10)
 
