@@ -55,6 +55,7 @@ class PlannedJob:
     withheld: tuple[str, ...]  # secret-looking variables not sent to remote nodes (a note each)
     launcher: LauncherChoice | None = None  # which transport and why (launch/selection.py)
     pernode: PerNodeSpec | None = None  # per-node mode's node count, rank, master, rendezvous
+    batch_note: str | None = None  # a restart at another world size: what changed in the batch triad
 
     @property
     def multinode(self) -> bool:
@@ -102,7 +103,7 @@ def run_job(options: LaunchOptions, console: Console | None = None) -> JobResult
         log_dir=job.options.log_dir,
         preemption_grace=plan.preemption_grace,
     )
-    return supervisor.run()
+    return replace(supervisor.run(), batch_note=job.batch_note)
 
 
 def plan_job(options: LaunchOptions) -> PlannedJob:
@@ -196,6 +197,7 @@ def plan_job(options: LaunchOptions) -> PlannedJob:
     if multinode and options.device is None and options.num_gpus is None and any(not n.is_local for n in plan.nodes):
         plan = replace(plan, device_per_node=True)  # each node's preflight decides (launch/node_devices.py)
     rank_filter = plan_mod.parse_rank_filter(options.ranks, plan.world_size)
+    batch_note = None
     if loaded is not None:
         # The batch triad against the real world size: a mismatch stops the job here, with
         # the arithmetic, instead of in every rank. A restart at another world size (nodes
@@ -205,7 +207,7 @@ def plan_job(options: LaunchOptions) -> PlannedJob:
             change = _rebatch(loaded, options.batch_world_size, plan.world_size)
         if change is not None:
             _note(change.message)
-            plan = replace(plan, batch=change.to_env())
+            plan, batch_note = replace(plan, batch=change.to_env()), change.message
         else:
             loaded.resolve_batch(plan.world_size)
     if plan.device == "cuda" and not multinode and not devices.driver_present and not options.dry_run:
@@ -222,7 +224,13 @@ def plan_job(options: LaunchOptions) -> PlannedJob:
         )
     withheld = tuple(env_spec.withheld) if multinode else ()
     return PlannedJob(
-        options=options, plan=plan, rank_filter=rank_filter, withheld=withheld, launcher=launcher, pernode=spec
+        options=options,
+        plan=plan,
+        rank_filter=rank_filter,
+        withheld=withheld,
+        launcher=launcher,
+        pernode=spec,
+        batch_note=batch_note,
     )
 
 

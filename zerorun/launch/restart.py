@@ -235,26 +235,6 @@ def with_config_section(options: LaunchOptions) -> LaunchOptions:
     return options.merged(subset, base_dir=Path(path).resolve().parent)
 
 
-def _batch_note(options: LaunchOptions, first_world: int, world: int) -> str | None:
-    """What run_job said about the batch triad of an attempt at `world` ranks (for summary.json);
-    None when it did not change (config.batch.rebatch)."""
-    path = _config_path(options)
-    if path is None or first_world == world:
-        return None
-    from zerorun.config import load_config
-    from zerorun.config.batch import rebatch
-
-    try:
-        c = load_config(path, resume_from=options.resume_from).config
-    except ZerorunError:
-        return None  # the attempt reported it
-    change = rebatch(
-        c.train_batch_size, c.train_micro_batch_size_per_gpu, c.gradient_accumulation_steps,
-        from_world=first_world, to_world=world,
-    )  # fmt: skip
-    return change.message if change is not None else None
-
-
 def failed_nodes(result: JobResult) -> list[str]:
     """Hosts an attempt lost: nodes lost (connection or agent gone) and nodes whose ranks died of
     a signal -- not ranks the launcher stopped, nor Python exceptions (a bad node does not
@@ -364,9 +344,11 @@ def run_with_restarts(
             if left < (options.min_nodes or 1):
                 retry = False
                 why += f", fewer than --min_nodes {options.min_nodes or 1}"
-        batch = _batch_note(attempt_opts, first_world, world)
         attempts.append(
-            Attempt(number, result.exit_code, result.reason, result.message, retry, why, attempt_opts.log_dir, world, batch)
+            Attempt(
+                number, result.exit_code, result.reason, result.message, retry, why, attempt_opts.log_dir, world,
+                result.batch_note,
+            )
         )
         if root is not None:
             _write_summary(root, attempts, max_restarts, result.exit_code)

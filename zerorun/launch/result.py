@@ -95,6 +95,7 @@ class JobResult:
     message: str = ""
     hang_report: list[str] = field(default_factory=list)
     log_dir: str | None = None
+    batch_note: str | None = None  # run_job: what a restart at another world size changed in the batch triad
 
     def to_json(self) -> dict[str, Any]:
         return {
