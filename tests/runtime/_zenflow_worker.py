@@ -126,6 +126,7 @@ def reference(
     ranges: dict[str, list[tuple[int, int]]],
     world: int,
     engine_masks: list[dict[str, torch.Tensor]] | None = None,
+    engine_grads: list[dict[str, torch.Tensor]] | None = None,
 ) -> dict:
     """zerorun's ZenFlow rule, plainly: AdamW on masked elements of whole parameters. Columns of
     a parameter of 2+ dimensions: its last dimension; 1-D parameters always important. The
@@ -140,7 +141,15 @@ def reference(
     the reference checks that the engine chose a top-k by its own scores -- up to near-ties:
     `violation` is the largest (k-th score - chosen score) / k-th score -- and continues with the
     engine's choice, so the update rule is compared exactly even where the two sides' gradients
-    differ in the last bits (bf16 matmuls with other kernels on a GPU) and a near-tie flips."""
+    differ in the last bits (bf16 matmuls with other kernels on a GPU) and a near-tie flips.
+
+    With `engine_grads` (the clipped, rank-averaged gradient the engine's optimizer step was
+    given at each step, name -> tensor), the reference measures how far its own gradient is from
+    it (`grad_err`: per parameter, max |difference| / max |reference's|) and then steps with the
+    engine's: the update rule is compared on the very same inputs. Without that, one bf16 ulp of
+    difference in the gradients (a GPU's matmul kernels for the engine's flat-buffer views vs the
+    reference's own tensors) moves masters by more than 1e-3 of their scale at this learning
+    rate (test_offload_zenflow.py::test_reference_is_sensitive_to_one_ulp)."""
     topk, interval, update, warm = zf
     master = model
     compute = copy.deepcopy(master).to(dtype) if dtype != torch.float32 else master
@@ -152,9 +161,10 @@ def reference(
     acc = [torch.zeros_like(p) for p in ps]
     state: dict[str, Any] = {
         "slow": 0, "fast": 0, "count": 0, "zf": 0, "selections": 0, "mismatches": 0, "violation": 0.0,
-        "unadopted": 0, "count_errors": 0,
+        "unadopted": 0, "count_errors": 0, "grad_err": 0.0,
     }
     important: list[torch.Tensor] = []
+    own_grads: list[dict[str, torch.Tensor]] = []  # the reference's own gradient of each step (clipped)
 
     def adamw(masks: list[torch.Tensor], grads: list[torch.Tensor], t: int, lr: float = LR) -> None:
         with torch.no_grad():
@@ -238,6 +248,13 @@ def reference(
             norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
             coef = torch.clamp(torch.tensor(clip, device=norm.device) / (norm + 1e-6), max=1.0)
             grads = [g * coef for g in grads]
+        own_grads.append({n: g.detach().cpu().clone() for n, g in zip(names, grads, strict=True)})
+        if engine_grads is not None:
+            theirs = [engine_grads[step][n].to(g.device).view(g.shape) for n, g in zip(names, grads, strict=True)]
+            for g, t in zip(grads, theirs, strict=True):
+                if float(g.abs().max()) > 0:
+                    state["grad_err"] = max(state["grad_err"], float((g - t).abs().max() / g.abs().max()))
+            grads = theirs
         if step < warm:
             state["slow"] += 1
             adamw([torch.ones_like(g, dtype=torch.bool) for g in grads], grads, state["slow"])
@@ -266,6 +283,8 @@ def reference(
         "selection_mismatches": state["mismatches"],
         "selection_unadopted": state["unadopted"],
         "selection_count_errors": state["count_errors"],
+        "grad_err": state["grad_err"],
+        "grads": own_grads,
         "master": {n: p.detach().cpu().clone() for n, p in zip(names, ps, strict=True)},
         "compute": {n: p.detach().float().cpu().clone() for n, p in compute.named_parameters()},
     }
@@ -315,6 +334,44 @@ def _important_elements(engine: Any, placement: Any, rank: int) -> dict[str, lis
     return out
 
 
+def _capture_grads(placement: Any) -> list[dict[int, torch.Tensor]]:
+    """Record the gradient shard each optimizer step hands the placement (clipped, averaged over
+    the ranks), per flat buffer: a device copy, no host sync (the copies' timing stays)."""
+    steps: list[dict[int, torch.Tensor]] = []
+    inner = placement.grad_for_step
+
+    def grad_for_step(index: int, grad_shard: torch.Tensor, master: torch.Tensor) -> torch.Tensor:
+        if index == 0:
+            steps.append({})
+        steps[-1][index] = grad_shard.detach().reshape(-1).float().clone()
+        return inner(index, grad_shard, master)
+
+    placement.grad_for_step = grad_for_step
+    return steps
+
+
+def _full_grads(engine: Any, steps: list[dict[int, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
+    """Every rank's recorded gradient shards, gathered and cut into named parameters (CPU)."""
+    state = engine.stage.state
+    on = engine.device if torch.distributed.get_backend() == "nccl" else torch.device("cpu")  # (as full_masters)
+    out: list[dict[str, torch.Tensor]] = []
+    for shards in steps:
+        named: dict[str, torch.Tensor] = {}
+        for i, layout in enumerate(state.layouts):
+            shard = shards[i].to(on)
+            assert shard.numel() == layout.shard_numel, (shard.numel(), layout.shard_numel)
+            full = torch.empty(layout.padded_numel, dtype=torch.float32, device=on)
+            if layout.num_shards > 1:
+                torch.distributed.all_gather_into_tensor(full, shard)
+            else:
+                full.copy_(shard)
+            full = full.cpu()
+            for slot in layout.slots:
+                named[slot.name] = full[slot.offset : slot.offset + slot.numel].view(slot.shape).clone()
+        out.append(named)
+    return out
+
+
 def _mask(name: str, elements: list[int]) -> torch.Tensor:
     mask = torch.zeros(math.prod(SHAPES[name]), dtype=torch.bool)
     mask[torch.tensor(elements, dtype=torch.long)] = True
@@ -335,6 +392,7 @@ def run(name: str) -> dict:
         # A CPU stand-in; on a GPU the real copy stream is the eager one (scripts/gpu_checks.sh).
         placement.copier = EarliestCopies(engine.device, lambda: list(placement._acc))
     rank, world = engine.comm.rank, engine.comm.world_size
+    recorded = _capture_grads(placement)
     ranges: dict[str, list[tuple[int, int]]] = {}
     for layout in engine.stage.state.layouts:
         for r in range(layout.num_shards):
@@ -361,6 +419,7 @@ def run(name: str) -> dict:
         for k in range(len(selections))
     ]
     masters = _models.full_masters(engine)
+    engine_grads = _full_grads(engine, recorded)
     if stage == 3:
         with zerorun.zero.GatheredParameters(list(model.parameters())):
             compute = {n: p.detach().float().cpu().clone() for n, p in model.named_parameters()}
@@ -382,7 +441,9 @@ def run(name: str) -> dict:
     if rank != 0:
         return info
     # The reference runs on the training device too (the same matmul kernels as the engine).
-    ref = reference(ref_model.to(DEVICE), DTYPES[dtype], clip, accum, steps, zf, ranges, world, engine_masks)
+    ref = reference(
+        ref_model.to(DEVICE), DTYPES[dtype], clip, accum, steps, zf, ranges, world, engine_masks, engine_grads
+    )
     exact = exact_losses(exact_model.to(DEVICE), DTYPES[dtype], clip, accum, steps, world)
 
     def err(a: torch.Tensor, b: torch.Tensor) -> list[float]:
@@ -399,6 +460,7 @@ def run(name: str) -> dict:
         "selection_mismatches": ref["selection_mismatches"],
         "selection_unadopted": ref["selection_unadopted"],
         "selection_count_errors": ref["selection_count_errors"],
+        "grad_err": ref["grad_err"],
         "device": DEVICE.type,
     }
 
