@@ -192,6 +192,7 @@ def run_case(case: DCase, rank: int, world: int, steps: int) -> dict | None:
         "scales": scales,
         "skipped": engine.skipped_steps,
         "delayed_steps": getattr(placement, "delayed_steps", 0),
+        "overlapped": getattr(placement, "overlapped_buffers", 0),
         "n_buffers": len(engine.stage.layouts),
         "max_tiles": max((len(t) for t in getattr(placement, "tiles", [])), default=0),
         "placement": type(placement).__name__,

@@ -19,13 +19,38 @@ step in flight, so a checkpoint holds the newest masters and optimizer states.
 Only optimizers the tile kernel supports (Adam, AdamW) are delayed: the step must read its
 hyperparameters on the training thread before the scheduler changes them. Others run exactly,
 with a warning.
+
+The copies overlap the next backward (``CopyWindow``; no clipping, no fp16 check). Of one flat
+buffer, tile by tile, while the update of step t runs on the worker during step t+1's
+forward/backward:
+
+* the gradient of step t+1 goes down into the host gradient buffer once its reduction is final
+  (the stage's ``grad_ready`` hook, at the accumulation boundary's backward) AND the worker has
+  read that tile's gradient of step t (it stepped the tile);
+* the update of step t goes up into the device parameter shard at the same moment: the worker
+  has written the tile, and the backward no longer reads the buffer's parameters (its gradients
+  are final). The next forward sees it, as before; the backward of t+1 saw the old values.
+
+Whichever thread sees the second condition queues the tile's two copies (the worker after a tile,
+the training thread in ``grad_ready``), so at the end of step t+1 only the copies of the tiles the
+worker finished after the backward remain; the worker steps the buffers in the order their
+gradients become final (``twinflow.ready_order``), so those are few. Buffers with no
+``grad_ready`` (a parameter without a gradient, a stage that does not call it) are copied at the
+step as before. No extra host memory: the host gradient buffer of a tile is reused only once the
+worker is done with it. With clipping or the fp16 overflow check the gradients the CPU steps are
+known only after the whole backward (the norm), so those steps copy at the end of the step, as
+before; so do stage 3's parameter-offload write-backs into host shards (the next forward fetches
+them). A checkpoint (``synchronize``) closes the window: the next step copies at its end.
 """
 
 from __future__ import annotations
 
+import threading
 import warnings
+from collections.abc import Callable, Mapping
+from typing import Any
 
-__all__ = ["DelayPolicy"]
+__all__ = ["CopyWindow", "DelayPolicy"]
 
 
 class DelayPolicy:
@@ -48,3 +73,57 @@ class DelayPolicy:
                 )
             return False
         return True
+
+
+class CopyWindow:
+    """The per-tile bookkeeping of the copies that overlap the next backward (module docstring):
+    a tile's copies are queued (``issue(buffer, tile, ready)``, under this window's lock, so
+    the copies of both threads queue in one order) once the worker finished it (``tile_done``)
+    and its buffer's gradient is final (``grad_ready`` with ``ready``: what the copies are
+    ordered after). ``close`` (after the worker was joined) ends it and names the buffers whose
+    copies all went."""
+
+    def __init__(self, tiles: Mapping[int, int], issue: Callable[[int, int, Any], None]) -> None:
+        self._lock = threading.Lock()
+        self._count = dict(tiles)  # buffer -> its tiles
+        self._done = dict.fromkeys(self._count, 0)  # tiles the worker finished, in order
+        self._issued = dict.fromkeys(self._count, 0)  # tiles whose copies are queued, in order
+        self._ready: dict[int, Any] = {}
+        self._issue = issue
+        self._open = True
+        self.by_worker = 0  # tiles whose copies the worker queued (the rest: the training thread)
+        self.by_trainer = 0
+
+    def tile_done(self, index: int, tile: int) -> None:
+        """Worker: tile ``tile`` of buffer ``index`` is updated (its gradient read, its result
+        written)."""
+        with self._lock:
+            if index in self._done:
+                self._done[index] = tile + 1
+                self.by_worker += self._flush(index)
+
+    def grad_ready(self, index: int, ready: Any) -> bool:
+        """Training thread: buffer ``index``'s gradient is final; False when this window does
+        not take it (closed, not a host buffer, already taken)."""
+        with self._lock:
+            if not self._open or index not in self._count or index in self._ready:
+                return False
+            self._ready[index] = ready
+            self.by_trainer += self._flush(index)
+            return True
+
+    def _flush(self, index: int) -> int:
+        ready = self._ready.get(index)
+        if ready is None or not self._open:
+            return 0
+        start = self._issued[index]
+        while self._issued[index] < self._done[index]:
+            self._issue(index, self._issued[index], ready)
+            self._issued[index] += 1
+        return self._issued[index] - start
+
+    def close(self) -> set[int]:
+        """No more copies from this window; the buffers whose every tile's copies are queued."""
+        with self._lock:
+            self._open = False
+            return {i for i in self._ready if self._issued[i] == self._count[i]}

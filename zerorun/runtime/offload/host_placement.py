@@ -17,8 +17,9 @@ So the gradient copies overlap the step of earlier tiles and the parameter copie
 step of later ones: the step costs about the CPU update alone. The destination of each shard
 is remembered from ``write_back`` (stages keep it for the life of the engine); if it changes,
 the new one gets a full copy. In delayed mode (dpu.py) the tile loop is launched in
-``after_write_back`` and runs during the next forward/backward; ``write_back`` then copies the
-previous update from the staging buffer.
+``after_write_back`` and runs during the next forward/backward; each tile's copies (the next
+gradient down, this update up) go once the worker stepped it and the next backward's
+``grad_ready`` passed its buffer (dpu.CopyWindow), else at the end of the next step.
 
 Host memory per rank (shard of N elements): fp32 master 4N, fp32 gradients 4N (pinned),
 optimizer states (Adam 8N), and -- when ``stage_on_host`` -- staging in the parameter dtype
@@ -46,7 +47,7 @@ from torch.optim import Optimizer
 
 from zerorun.runtime.observe.timers import PhaseSource
 from zerorun.runtime.offload.adam import AdamHyper, adam_tile, ensure_state, hyper_of, supports_tiles
-from zerorun.runtime.offload.dpu import DelayPolicy
+from zerorun.runtime.offload.dpu import CopyWindow, DelayPolicy
 from zerorun.runtime.offload.host import Copier, host_empty, tiles
 from zerorun.runtime.offload.options import OffloadOptions
 from zerorun.runtime.offload.runner import StepRunner
@@ -153,6 +154,12 @@ class HostPlacement(ShardPlacement):
         self.delayed_steps = 0
         self.early_steps = 0  # steps whose CPU work started during backward
         self.profile = StepProfile()
+        # The delayed update's copies overlapping the next backward (dpu.CopyWindow): open from
+        # the launch of a delayed update to the next step's grad_for_step; _copied: the buffers
+        # whose copies (down: gradient, up: update) all went during that backward.
+        self._window: CopyWindow | None = None
+        self._copied: set[int] = set()
+        self.overlapped_buffers = 0  # buffers copied during the backward (tests, docs)
 
     # -- storage (subclasses) -----------------------------------------------------------------
     def _new_master(self, index: int, numel: int, fp32_init: Callable[[], torch.Tensor]) -> torch.Tensor:
@@ -266,7 +273,11 @@ class HostPlacement(ShardPlacement):
             return  # Twin-Flow: stepped on the device after the backward
         if self._early is None:
             if self.delay.delayed(self.steps, tiled=True, optimizer_name=type(optimizer).__name__):
-                return  # the delayed step runs after write_back instead
+                # The delayed step runs after write_back; its copies may go now (dpu.CopyWindow).
+                window = self._window
+                if window is not None:
+                    window.grad_ready(index, (self.copier.ready(), grad_shard))
+                return
             self.runner.join()
             self._flush_deferred()
             self._in_step = True
@@ -362,13 +373,44 @@ class HostPlacement(ShardPlacement):
             if index not in self._stepped:
                 self._copy_down(index, grad_shard)  # no reduction hook for this one
             return self.grads[index]
-        self.runner.join()  # a delayed step may still be reading self.grads
+        if self.runner.busy:
+            t0 = time.perf_counter()
+            self.runner.join()  # a delayed step may still be reading self.grads
+            self.profile.add("main_wait_s", time.perf_counter() - t0)
         self._flush_deferred()
+        self._close_window()
         if not self._in_step:
             self._in_step = True
             self._ready = self.copier.ready()
-        self._copy_down(index, grad_shard)
+        if index not in self._copied:  # (else its copies went during the backward)
+            self._copy_down(index, grad_shard)
         return self.grads[index]
+
+    def _close_window(self) -> None:
+        """The delayed update is joined: the overlapping copies end (dpu.CopyWindow)."""
+        window, self._window = self._window, None
+        if window is not None:
+            self._copied = window.close()
+            self.overlapped_buffers += len(self._copied)
+
+    def _window_copy(self, index: int, k: int, ready: tuple[Event, torch.Tensor]) -> None:
+        """Tile ``k`` of buffer ``index`` during the backward (dpu.CopyWindow, under its lock;
+        worker or training thread): its gradient down, the delayed update up into the device
+        parameter shard, both after ``ready`` (the training stream at the buffer's grad_ready)."""
+        event, grad_shard = ready
+        a, b = self.tiles[index][k]
+        src = grad_shard.reshape(-1)
+        self._grad_ev[index][k] = self._last_down = self.copier.to_host(
+            self.grads[index][a:b], src[a:b], event
+        )
+        target = self._targets.get(index)
+        if self.param_store is None and target is not None:  # (stage 3 host shards: at the step)
+            flat = target.reshape(-1)
+            self._up_ev[index][k] = self._last_up = self.copier.to_device(
+                flat[a:b], self._source(index)[a:b], event
+            )
+            if k == len(self.tiles[index]) - 1:
+                self._fresh[index] = False
 
     def before_step(self) -> None:
         # Later work on the training stream (zeroing the gradient shards) must not overtake the
@@ -542,8 +584,16 @@ class HostPlacement(ShardPlacement):
             self._close_profile()
         self.copier.fence(self._last_up)
         job, self._launch = self._launch, None
+        self._copied = set()
         if job is not None:
-            self.runner.submit(lambda: self._update(job, push=False))
+            # In the order the next backward makes the gradients final, so each buffer is free
+            # for its copies as early as possible (dpu.CopyWindow); no clipping / fp16 check only.
+            host = set(self._host)
+            order = [i for i in ready_order(len(self.masters), self.opts.stage) if i in host]
+            window = None
+            if self.opts.early_start:
+                window = self._window = CopyWindow({i: len(self.tiles[i]) for i in order}, self._window_copy)
+            self.runner.submit(lambda: self._update(job, push=False, indices=order, window=window))
         self._ready = None
         self._in_step = False
 
@@ -566,6 +616,8 @@ class HostPlacement(ShardPlacement):
     def synchronize(self) -> None:
         self.runner.join()  # (a step started during backward completes in step(); not here)
         self._flush_deferred()
+        self._close_window()  # (a checkpoint: the next step copies at its end)
+        self._copied = set()
 
     def close(self) -> None:
         try:
@@ -602,9 +654,11 @@ class HostPlacement(ShardPlacement):
         self._prepare_storage(job)
         return job
 
-    def _update(self, job: StepJob, *, push: bool, indices: list[int] | None = None) -> None:
+    def _update(
+        self, job: StepJob, *, push: bool, indices: list[int] | None = None, window: CopyWindow | None = None
+    ) -> None:
         """Worker thread: the optimizer step of the masters ``indices`` (all by default), then
-        staging (+ H2D when ``push``)."""
+        staging (+ H2D when ``push``; the delayed update: ``window`` is told each tile done)."""
         with torch.no_grad():
             if not job.tiled:
                 for row in self._grad_ev + self._up_ev:
@@ -638,6 +692,8 @@ class HostPlacement(ShardPlacement):
                     )
                 t3 = clock()
                 self._stage_tile(t.i, t.k, t.a, t.b, t.param, push)
+                if window is not None:
+                    window.tile_done(t.i, t.k)
                 t4 = clock()
                 self.profile.add("io_wait_s", t1 - t0)  # NVMe: waiting for the tile read (in memory: ~0)
                 self.profile.add("gradient_wait_s", t2 - t1)
