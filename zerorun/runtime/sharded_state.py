@@ -182,14 +182,42 @@ class ShardedOptimizerState:
         fp32_init: Callable[[int], torch.Tensor],
         placement: ShardPlacement,
     ) -> None:
-        self.layouts = list(layouts)
+        layouts = list(layouts)
+        placement.plan([p.numel() for p in param_shards], layouts, shard_index)
+        masters = [
+            placement.make_master(i, param_shards[i], functools.partial(fp32_init, i))
+            for i in range(len(layouts))
+        ]
+        self._adopt(layouts, shard_index, masters, placement)
+
+    @classmethod
+    def from_masters(
+        cls,
+        layouts: Sequence[FlatLayout],
+        shard_index: int,
+        masters: Sequence[torch.Tensor],
+        placement: ShardPlacement,
+    ) -> ShardedOptimizerState:
+        """Adopt masters the caller already made with ``placement.make_master`` (index order,
+        after ``placement.plan`` over every layout's shard size). Stage 3 makes each group's
+        masters while it builds the group, so that the fp32 initial values of one group at a
+        time exist besides the masters (stage3/build.py)."""
+        state = cls.__new__(cls)
+        state._adopt(list(layouts), shard_index, list(masters), placement)
+        return state
+
+    def _adopt(
+        self,
+        layouts: list[FlatLayout],
+        shard_index: int,
+        masters: list[torch.Tensor],
+        placement: ShardPlacement,
+    ) -> None:
+        assert len(masters) == len(layouts)
+        self.layouts = layouts
         self.shard_index = shard_index
         self.placement = placement
-        placement.plan([p.numel() for p in param_shards], self.layouts, shard_index)
-        self.masters: list[torch.Tensor] = [
-            placement.make_master(i, param_shards[i], functools.partial(fp32_init, i))
-            for i in range(len(self.layouts))
-        ]
+        self.masters: list[torch.Tensor] = masters
         self.optimizer: Optimizer | None = None
 
     def param_groups(self, group_hypers: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -5,11 +5,19 @@ copies only its shard to the device, then the full tensor is dropped), or parame
 by ``zerorun.zero.Init`` (each is all-gathered once, one parameter at a time, to cut the group's
 shards -- never the whole model at once). The fp32 values become the master shards, so masters
 start exactly at the user's initialization, not at its 16-bit rounding.
+
+Where the fp32 values are cut: on the placement's ``optimizer_device`` (the host when the
+optimizer is offloaded, the training device otherwise), one group at a time -- each group's
+masters are made (``placement.make_master``) as soon as the group is built, and its fp32 shards
+dropped before the next group is cut. So initialize never holds 4 bytes per parameter of fp32
+values on the GPU under optimizer offload (DeepSpeed builds them on the host too), and on the
+host only one group's fp32 values exist besides the masters.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -28,7 +36,7 @@ from zerorun.runtime.stage3.param_store import DeviceParamStore, ParamShardStore
 from zerorun.runtime.stage3.schedule import Schedule
 from zerorun.runtime.stage3.stage import Stage3
 
-__all__ = ["build_stage3", "full_values"]
+__all__ = ["build_stage3", "full_values", "master_home"]
 
 _ONE_BUFFER = 1 << 62  # a group is one flat buffer per optimizer param group, whatever its size
 
@@ -57,6 +65,17 @@ def _fp32_shards(
             del values
         out.append(shard)
     return out
+
+
+def master_home(placement: ShardPlacement) -> torch.device:
+    """Where stage 3 cuts the fp32 initial values of the master shards: where the placement keeps
+    its masters (a Twin-Flow master kept on the device is copied up from there, one group at a
+    time)."""
+    return placement.optimizer_device
+
+
+def _init_of(fp32: list[torch.Tensor], i: int) -> Callable[[], torch.Tensor]:
+    return lambda: fp32[i]
 
 
 def _shape(p: nn.Parameter) -> tuple[int, ...]:
@@ -106,55 +125,60 @@ def build_stage3(
         class_names=opts.group_modules,
         min_numel=opts.group_min_numel,
     )
+    # The layouts of every group first (metadata only): the placement plans all masters
+    # (Twin-Flow's split, ZenFlow's columns) before the first make_master.
     layouts_all: list[FlatLayout] = []
-    fp32_all: list[torch.Tensor] = []
+    planned: list[tuple[list[FlatLayout], list[list[nn.Parameter]]]] = []
+    for plan in plans:
+        ordered = sorted(plan.params, key=lambda t: t.group)  # stable: registration order kept
+        by_name = {t.name: t.param for t in ordered}
+        specs = [
+            ParamSpec(t.name, _shape(t.param), dtype_name(policy.param_dtype), t.group, t.aliases)
+            for t in ordered
+        ]
+        layouts = [
+            dataclasses.replace(layout, index=len(layouts_all) + j)
+            for j, layout in enumerate(
+                plan_flat_buffers(
+                    specs, num_shards=world, bucket_numel=_ONE_BUFFER, slot_align_bytes=SLOT_ALIGN_BYTES
+                )
+            )
+        ]
+        planned.append((layouts, [[by_name[s.name] for s in layout.slots] for layout in layouts]))
+        layouts_all.extend(layouts)
+    placement.plan([layout.shard_numel for layout in layouts_all], layouts_all, rank)
+    home = master_home(placement)
+    masters: list[torch.Tensor] = []
     groups: list[ParamGroup] = []
     with torch.no_grad():
-        for gi, plan in enumerate(plans):
-            ordered = sorted(plan.params, key=lambda t: t.group)  # stable: registration order kept
-            by_name = {t.name: t.param for t in ordered}
-            specs = [
-                ParamSpec(t.name, _shape(t.param), dtype_name(policy.param_dtype), t.group, t.aliases)
-                for t in ordered
-            ]
-            layouts = [
-                dataclasses.replace(layout, index=len(layouts_all) + j)
-                for j, layout in enumerate(
-                    plan_flat_buffers(
-                        specs, num_shards=world, bucket_numel=_ONE_BUFFER, slot_align_bytes=SLOT_ALIGN_BYTES
-                    )
-                )
-            ]
-            params = [[by_name[s.name] for s in layout.slots] for layout in layouts]
-            fp32 = _fp32_shards(layouts, params, rank, device)
+        for gi, (plan, (layouts, params)) in enumerate(zip(plans, planned, strict=True)):
+            fp32 = _fp32_shards(layouts, params, rank, home)
             for ps in params:
                 for p in ps:
                     handle = getattr(p, "_zerorun_init", None)
                     if handle is not None:
                         handle.detach_from(p)
-            groups.append(
-                ParamGroup(
-                    gi,
-                    plan.name,
-                    plan.module,
-                    layouts,
-                    params,
-                    comm=comm,
-                    device=device,
-                    param_dtype=policy.param_dtype,
-                    reduce_dtype=policy.reduce_dtype,
-                    store=store,
-                    persistent=plan.persistent,
-                    fp32_shards=fp32,
-                    rest_dtype=rest_dtype,
-                )
+            group = ParamGroup(
+                gi,
+                plan.name,
+                plan.module,
+                layouts,
+                params,
+                comm=comm,
+                device=device,
+                param_dtype=policy.param_dtype,
+                reduce_dtype=policy.reduce_dtype,
+                store=store,
+                persistent=plan.persistent,
+                fp32_shards=fp32,
+                rest_dtype=rest_dtype,
             )
-            layouts_all.extend(layouts)
-            fp32_all.extend(fp32)
+            for li, layout in enumerate(layouts):
+                masters.append(placement.make_master(layout.index, group.at_rest[li], _init_of(fp32, li)))
+            del fp32  # the masters own these now (or they were copies that can go)
+            groups.append(group)
         _materialize_untrained(module, {id(t.param) for t in trainable})
-    shards = [g.at_rest[li] for g in groups for li in range(len(g.layouts))]
-    state = ShardedOptimizerState(layouts_all, rank, shards, lambda i: fp32_all[i], placement)
-    fp32_all.clear()  # the masters own these now (or they were copies that can go)
+    state = ShardedOptimizerState.from_masters(layouts_all, rank, masters, placement)
     schedule = Schedule(
         groups,
         prefetch_numel=opts.prefetch_numel,
