@@ -6,6 +6,7 @@ equivalence with plain PyTorch is in test_offload.py (the ratio cases of _offloa
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -149,3 +150,69 @@ def test_estimate_splits_master_and_states() -> None:
     assert auto.terms["gpu"]["master"] + auto.terms["gpu"]["optimizer_states"] == pytest.approx(1.2e9)
     big = model_state_bytes(psi, n, _cfg("auto", offload_gpu_budget_gb=1000))
     assert big.offload_ratio == 0.0 and big.terms["cpu"]["master"] == 0
+
+
+# The issue-17 rows on one H200 (1.34B GPT: 24 blocks, d_model 2048, vocab 32000, sequence 2048;
+# benchmarks/results/<run>__<config>.json), one run per stage with both the full and the partial
+# offload row in it.
+RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+H200_RUNS = {2: "20261201T171821Z-1.3B-w1-thr", 3: "20261201T182912Z-1.3B-w1-thr"}
+
+
+def _record(stage: int, config: str) -> dict:
+    return json.loads((RESULTS / f"{H200_RUNS[stage]}__{config}.json").read_text())
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_h200_peak_is_full_offload_plus_the_device_part(stage: int) -> None:
+    """The peak GPU memory of a Twin-Flow row is the full-offload row's plus the device part's
+    masters and states (12 B per element, bf16 + AdamW) -- to the byte: nothing else of the split
+    adds to the peak, so the device share alone decides the halfway check."""
+    full, part = _record(stage, f"zero{stage}_offload_opt"), _record(stage, f"zero{stage}_offload_ratio")
+    dev = part["engine_memory"]["cuda:0"]
+    added = part["gpu_mem_peak_allocated_bytes"] - full["gpu_mem_peak_allocated_bytes"]
+    assert added == dev["master"] + dev["optimizer_states"] and dev["master"] > 0
+    # ... and the split never gave the device more than (1 - ratio) of the shard elements
+    numel = part["n_params"]
+    assert dev["master"] / 4 <= (1 - 0.5) * numel
+
+
+def test_h200_ratio_rows_keep_the_peak_within_halfway() -> None:
+    """benchmarks/configs.py's ratio rows: the whole-buffer split of the 1.34B model at the
+    row's ratio, added to the committed full-offload peak (the test above), stays at most
+    halfway between the full-offload and the no-offload peaks of the same run. Stage 3 needs a
+    larger host share than stage 2: its no-offload run keeps no 16-bit parameter shard at one
+    rank (the fp32 master is the at-rest parameter, cast when gathered), so its peak is 2 B per
+    parameter below full offload + 12 B per parameter, and halfway is lower."""
+    import sys
+
+    import torch
+
+    from benchmarks.configs import CATALOGUE
+    from zerorun.runtime.flat_params import SLOT_ALIGN_BYTES, collect_trainable
+    from zerorun.runtime.flat_stage import MAX_FLAT_NUMEL
+    from zerorun.runtime.partition import ParamSpec, plan_flat_buffers
+
+    sys.path.insert(0, str(RESULTS.parents[1] / "examples"))
+    import gpt_model
+
+    with torch.device("meta"):
+        model = gpt_model.GPT(gpt_model.get_config("1.3B"))
+    trainable, _ = collect_trainable(model, None)
+    for stage in (2, 3):
+        cfg = CATALOGUE[f"zero{stage}_offload_ratio"]
+        assert cfg.offload_optimizer and cfg.stage == stage and 0 < cfg.offload_ratio < 1
+        full = _record(stage, f"zero{stage}_offload_opt")["gpu_mem_peak_allocated_bytes"]
+        none = _record(stage, f"zero{stage}")["gpu_mem_peak_allocated_bytes"]
+        if stage == 3:  # one flat buffer per module group: the root (embeddings, head, final norm), then each block
+            blocks = [sum(p.numel() for p in b.parameters()) for b in model.blocks]
+            numels = [sum(p.numel() for p in model.parameters()) - sum(blocks), *blocks]
+        else:  # the runtime's packing: gradient order, at most MAX_FLAT_NUMEL (< DeepSpeed's 5e8 buckets)
+            specs = [ParamSpec(t.name, tuple(t.param.shape), "bfloat16", 0, ()) for t in trainable]
+            layouts = plan_flat_buffers(specs, num_shards=1, bucket_numel=MAX_FLAT_NUMEL, slot_align_bytes=SLOT_ALIGN_BYTES)
+            numels = [layout.padded_numel for layout in layouts]
+        split = device_buffers(numels, cfg.offload_ratio, 0, ready_order(len(numels), stage))
+        on_device = sum(n for n, d in zip(numels, split, strict=True) if d)
+        assert full + 12 * on_device <= (full + none) / 2, (stage, cfg.offload_ratio, on_device)
+        if stage == 2 and cfg.offload_ratio == 0.5:  # the committed row at this ratio: the same split
+            assert 4 * on_device == _record(2, "zero2_offload_ratio")["engine_memory"]["cuda:0"]["master"]
