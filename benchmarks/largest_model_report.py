@@ -119,6 +119,14 @@ def render_section(records: Sequence[dict[str, Any]]) -> list[str]:
                 f" {'–' if peak is None else _size(peak)} | {est} |"
                 f" {_size(mm['measured'])} | {mm['deviation']:+.1%} {within} | {s['limit']} |"
             )
+        startup = [line for mode in ("cpu", "nvme") if (line := _startup_line(recs, mode))]
+        if startup:
+            out += [
+                "",
+                "Start-up (`zerorun.initialize`) beside training, the largest trained size:",
+                "",
+                *startup,
+            ]
         out += ["", "Tries (in order):", ""]
         for r in (x for x in recs if x.get("kind") == "try"):
             res = r.get("result") or {}
@@ -130,6 +138,29 @@ def render_section(records: Sequence[dict[str, Any]]) -> list[str]:
             )
         out.append("")
     return out
+
+
+def _startup_line(records: Sequence[dict[str, Any]], mode: str) -> str | None:
+    """Initialize's peaks (GPU: above the fp32 model the benchmark builds on the GPU first; host:
+    peak resident set) beside the training peaks, for a mode's largest trained size; None for
+    records written before the try measured them."""
+    s = mode_summary(records, mode)
+    if s is None or s["best"] is None or s["best"]["result"].get("host_peak_init_bytes") is None:
+        return None
+    res = s["best"]["result"]
+    psi = float(res["params"])
+    gpu = ""
+    if res.get("gpu_init_growth_bytes") is not None:
+        grow = float(res["gpu_init_growth_bytes"])
+        gpu = (
+            f"GPU: the fp32 model {_size(res['gpu_model_bytes'])}, initialize's peak above it {_size(grow)}"
+            f" ({grow / psi:.2f} B/param), training peak {_size(res['gpu_peak_allocated_bytes'])}; "
+        )
+    init, train = float(res["host_peak_init_bytes"]), float(res["host_peak_training_bytes"])
+    return (
+        f"- {mode}: {gpu}host peak RSS during initialize {_size(init)} ({init / psi:.1f} B/param),"
+        f" during training {_size(train)} ({train / psi:.1f} B/param)"
+    )
 
 
 def load(paths: Sequence[Path]) -> list[dict[str, Any]]:

@@ -4,7 +4,8 @@ in its own process (the parent enforces the time limit and watches host memory).
 
 Prints `STEP i loss seconds` after every step (the parent keeps the last ones if it has to kill
 the try) and one `RESULT {json}` line at the end: losses, tokens/s after warm-up, peak GPU
-memory, and the model-state bytes measured between steps (the CUDA allocator + a census of live
+memory (training, and start-up apart: the model's build and initialize), the host's peak resident
+set during initialize and during training, and the model-state bytes measured between steps (the CUDA allocator + a census of live
 host tensors, independent of zerorun's own report) beside `zerorun estimate`'s figures.
 """
 
@@ -23,7 +24,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-__all__ = ["ds_config", "rss_bytes", "dir_bytes", "main"]
+__all__ = ["ds_config", "rss_bytes", "host_peak_bytes", "dir_bytes", "main"]
 
 
 def ds_config(
@@ -53,6 +54,28 @@ def rss_bytes() -> int:
     """This process's resident set now (pinned host memory counts: it is touched and locked)."""
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _status_bytes(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def host_peak_bytes(reset: bool = False) -> int:
+    """This process's peak resident set (VmHWM, what ru_maxrss reports) so far; with `reset`,
+    it is then set back to the current RSS (/proc/self/clear_refs 5), so the next read is the
+    peak of what follows (a kernel that refuses keeps the whole-process peak)."""
+    peak = _status_bytes("VmHWM")
+    if reset:
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+        except OSError:
+            pass
+    return peak
 
 
 def dir_bytes(path: str | None) -> int:
@@ -94,13 +117,23 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     ds = ds_config(a.optimizer, a.micro_batch, a.nvme_path, a.sub_group)
     t0 = time.perf_counter()
     model = build_model(cfg, device, 1234)
+    # Start-up, apart from the training peak: the fp32 model this benchmark builds on the GPU
+    # (4 B/param: a user's model, not zerorun's), then initialize's own peak above it (the
+    # host shards and masters are made one group at a time on the host: ~0 on the GPU).
+    build_peak = gpu_model = init_peak = None
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        build_peak = torch.cuda.max_memory_allocated(device)
+        gpu_model = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    host_before_init = rss_bytes()
+    host_peak_bytes(reset=True)
     engine, _, _, _ = zerorun.initialize(model=model, config=ds)
     del model
     init_s = time.perf_counter() - t0
-    # The fp32 model built on the GPU before initialize partitions it is the init's peak; the
-    # training peak is counted from here.
-    init_peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    host_peak_init = host_peak_bytes(reset=True)  # the training peak is counted from here
     if device.type == "cuda":
+        init_peak = torch.cuda.max_memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
     print(f"INIT {init_s:.1f}", flush=True)
     data = gpt_model.SyntheticTokens(cfg, a.micro_batch, device, seed=1234, rank=0)
@@ -149,7 +182,14 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         if device.type == "cuda"
         else None,
         "gpu_peak_reserved_bytes": torch.cuda.max_memory_reserved(device) if device.type == "cuda" else None,
-        "gpu_peak_init_bytes": init_peak,
+        # Start-up: the peak through building the model and initialize (as before), the fp32
+        # model's bytes, and initialize's own peak above what was allocated before it.
+        "gpu_peak_init_bytes": None if init_peak is None else max(init_peak, build_peak or 0),
+        "gpu_model_bytes": gpu_model,
+        "gpu_init_growth_bytes": None if init_peak is None else init_peak - (gpu_model or 0),
+        "host_rss_before_init_bytes": host_before_init,
+        "host_peak_init_bytes": host_peak_init,
+        "host_peak_training_bytes": host_peak_bytes(),
         "measured": {
             # CUDA: the allocator; on CPU (the harness test) everything is host memory.
             "gpu_allocated_bytes": gpu_now,

@@ -115,3 +115,10 @@ def test_search_end_to_end_on_cpu(tmp_path: Path) -> None:
     rows = [x for x in section.splitlines() if x.startswith("| cpu |") or x.startswith("| nvme |")]
     assert len(rows) == 2 and all("✓ |" in x for x in rows), rows
     assert "host RAM (predicted" in rows[0]
+    # Start-up apart from training: initialize's host peak for each mode's largest size.
+    startup = [x for x in section.splitlines() if "host peak RSS during initialize" in x]
+    assert [x.split(":")[0] for x in startup] == ["- cpu", "- nvme"], section
+    for t in tries:
+        res = t["result"]
+        assert 0 < res["host_rss_before_init_bytes"] <= res["host_peak_init_bytes"], res
+        assert res["host_peak_training_bytes"] > 0 and res["gpu_init_growth_bytes"] is None  # CPU: no GPU figures
