@@ -411,12 +411,17 @@ def search(a: argparse.Namespace, mode: str, budget_s: float, emit: Any) -> list
     tries: list[dict[str, Any]] = []
     tried: set[int] = set()
     direction = 0
-    while shape is not None and shape.layers not in tried and len(tries) < a.max_tries:
+    ended = "nothing predicted to fit" if shape is None else "a boundary found"
+    while shape is not None and shape.layers not in tried:
+        if len(tries) >= a.max_tries:
+            ended = f"--max-tries {a.max_tries}"
+            break
         left = t_end - time.monotonic()
         # A step up that fails (out of memory) fails early, during its set-up: worth starting
         # even when a full run would not fit in what is left (a timeout records how far it got).
         need = a.min_try_s
         if left < need:
+            ended = "the call's time"
             break
         tried.add(shape.layers)
         p = predict(shape, mode, a.micro_batch, a.sub_group, limits, a.steps)
@@ -431,6 +436,18 @@ def search(a: argparse.Namespace, mode: str, budget_s: float, emit: Any) -> list
         elif (direction == 1) != ok:
             break  # an up-step failed after a success, or a down-step succeeded after a failure
         shape = step(shape, direction)
+    # Why the search stopped, and what the next size would have needed: without it a search cut
+    # short by its time after successful steps up reads as if the prediction's limit were measured.
+    emit(
+        {
+            "kind": "search_end",
+            "mode": mode,
+            "reason": ended,
+            "next": None
+            if shape is None or shape.layers in tried
+            else predict(shape, mode, a.micro_batch, a.sub_group, limits, a.steps),
+        }
+    )
     if nvme_dir:
         shutil.rmtree(nvme_dir, ignore_errors=True)
         if created:
@@ -501,9 +518,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     def emit(rec: dict[str, Any]) -> None:
         with open(out, "a", encoding="utf-8") as f:
             f.write(json.dumps({"run_id": run_id, **rec}) + "\n")
-        brief = {
-            k: rec[k] for k in ("mode", "status", "layers", "hidden", "params", "wall_s", "limit") if k in rec
-        }
+        keys = ("mode", "status", "layers", "hidden", "params", "wall_s", "limit", "reason", "machine")
+        brief = {k: rec[k] for k in keys if k in rec}
         print(f"[largest_model] {rec.get('kind')}: {json.dumps(brief or rec.get('predicted'))}", flush=True)
 
     emit(

@@ -18,9 +18,11 @@ FIXED_HOST_BYTES = 256 * 1024**2
 
 def mode_summary(records: Sequence[dict[str, Any]], mode: str) -> dict[str, Any] | None:
     """The largest ok try of `mode` and what stopped the next one up (from the tries themselves;
-    the prediction's binding resource when no larger size was tried)."""
+    when no larger size was tried, the estimate for the next size and why the search stopped --
+    or, for records from before the search wrote its end, the prediction's binding resource)."""
     tries = [r for r in records if r.get("kind") == "try" and r.get("mode") == mode]
     head = next((r for r in records if r.get("kind") == "search" and r.get("mode") == mode), None)
+    end = next((r for r in records if r.get("kind") == "search_end" and r.get("mode") == mode), None)
     if not tries:
         return None
     ok = [r for r in tries if r["status"] == "ok"]
@@ -30,6 +32,14 @@ def mode_summary(records: Sequence[dict[str, Any]], mode: str) -> dict[str, Any]
     if above:
         r = above[0]
         limit = f"{r['limit'] or r['status']} ({_count(r['params'])}: {r['status']})"
+    elif end and end.get("next"):
+        # The search stopped before the next size (its time, --max-tries): the estimate's verdict.
+        nxt = end["next"]
+        use = nxt["use"][nxt["binding"]]
+        limit = (
+            f"{nxt['binding']} (predicted: {_count(nxt['params'])} needs {use:.0%} of it; not tried:"
+            f" {end['reason']})"
+        )
     elif head and head.get("predicted"):
         limit = f"{head['predicted']['next_step_limited_by']} (predicted; the next step up was not tried)"
     else:

@@ -84,6 +84,15 @@ def test_summary_names_what_stopped_the_next_step_up() -> None:
     cpu, nvme = lmr.mode_summary(recs, "cpu"), lmr.mode_summary(recs, "nvme")
     assert cpu["best"]["layers"] == 26 and cpu["limit"] == "host RAM (6.11B: host_oom)"  # type: ignore[index]
     assert nvme["limit"] == "disk (predicted; the next step up was not tried)"  # type: ignore[index]
+    # A search cut short after a successful step up: the next size's estimate and why it stopped.
+    nxt = {"params": 7.55e9, "binding": "host RAM", "use": {"host RAM": 1.19, "GPU memory": 0.2}}
+    cut = [
+        *recs[:2],
+        {"run_id": "r", "kind": "search_end", "mode": "cpu", "reason": "the call's time", "next": nxt},
+    ]
+    assert lmr.mode_summary(cut, "cpu")["limit"] == (  # type: ignore[index]
+        "host RAM (predicted: 7.55B needs 119% of it; not tried: the call's time)"
+    )
     failed_first = lmr.mode_summary([_try("cpu", 29, "gpu_oom", "GPU memory")], "cpu")
     assert failed_first["best"] is None and failed_first["limit"].startswith("GPU memory")  # type: ignore[index]
 
@@ -103,6 +112,12 @@ def test_search_end_to_end_on_cpu(tmp_path: Path) -> None:
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     recs = [json.loads(x) for x in out.read_text().splitlines()]
     tries = [r for r in recs if r["kind"] == "try"]
+    ends = [r for r in recs if r["kind"] == "search_end"]
+    assert [(e["mode"], e["reason"]) for e in ends] == [
+        ("cpu", "--max-tries 1"),
+        ("nvme", "--max-tries 1"),
+    ], ends
+    assert all(e["next"]["params"] > t["params"] for e, t in zip(ends, tries, strict=True))
     assert [t["mode"] for t in tries] == ["cpu", "nvme"] and all(t["status"] == "ok" for t in tries), tries
     for t in tries:
         assert t["result"]["steps"] >= 20 and t["result"]["falling"]
@@ -121,4 +136,5 @@ def test_search_end_to_end_on_cpu(tmp_path: Path) -> None:
     for t in tries:
         res = t["result"]
         assert 0 < res["host_rss_before_init_bytes"] <= res["host_peak_init_bytes"], res
-        assert res["host_peak_training_bytes"] > 0 and res["gpu_init_growth_bytes"] is None  # CPU: no GPU figures
+        assert res["host_peak_training_bytes"] > 0
+        assert res["gpu_init_growth_bytes"] is None  # CPU: no GPU figures
