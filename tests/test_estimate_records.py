@@ -22,6 +22,9 @@ RESULTS = ROOT / "benchmarks" / "results"
 # Runs after the stage-3 staging change (80d8eb1) and the world-1 gather change (fbb2d48).
 RUNS = ("20261201T182912Z-1.3B-w1-thr", "20261201T171821Z-1.3B-w1-thr")
 RECORDS = sorted(p for run in RUNS for p in RESULTS.glob(f"{run}__zero3*.json"))
+# Twin-Flow runs made before the GPU groups' fp32 master became their at-rest parameter at stage 3
+# (runtime/stage3/build.py): those kept a 16-bit shard of every group, GPU groups included.
+TWIN_FLOW_16BIT_REST = set(RUNS)
 
 
 def _groups(size: str, threshold: int) -> tuple[int, int, int]:
@@ -89,4 +92,6 @@ def test_estimate_bounds_the_runtime_ledger(path: Path) -> None:
             estimated = est.terms[side][term]
             if side == "gpu" and term == "grads":
                 estimated = 0.0  # the ledger is read after the step: GPU gradients are freed
+            if term == "params" and est.offload_ratio < 1.0 and path.name.split("__")[0] in TWIN_FLOW_16BIT_REST:
+                estimated /= est.offload_ratio  # (the estimate's 16-bit slices: the host groups' only)
             assert abs(terms[term] - estimated) <= 1e-3 * max(estimated, 1.0) * 8 + 2 * 1024 * 1024, (device, term, terms, est.terms)

@@ -35,17 +35,19 @@ def _buffers(
     notes: list[str],
     reshard: bool = True,
     accumulating: bool = False,
+    partial: bool = False,
 ) -> dict[str, dict[str, float]]:
     """Upper bounds of the buffers the config sizes, capped at the model (a bucket never
     holds more than every element). `reshard`: zerorun.stage3_reshard_after_forward;
-    `accumulating`: gradient accumulation over more than one micro-step (or "auto")."""
+    `accumulating`: gradient accumulation over more than one micro-step (or "auto");
+    `partial`: a Twin-Flow partial offload keeps some masters on the GPU."""
     psi = num_params
     reduce = _zero_size(zero, "reduce_bucket_size")
     if zero is not None and "auto" in (zero.reduce_bucket_size, zero.stage3_prefetch_bucket_size):
         notes.append("bucket sizes set to \"auto\": DeepSpeed's defaults assumed")
     gpu: dict[str, float] = {}
     if stage == 3:
-        gpu.update(_stage3(psi, bpe, zero, reshard, opt_dev, par_dev, n, largest_layer, notes, accumulating))
+        gpu.update(_stage3(psi, bpe, zero, reshard, opt_dev, par_dev, n, largest_layer, notes, accumulating, partial))
     # Stages 0-1 reduce gradients in place in their flat buffers (the grads term) and gather the
     # updated parameters in place: no separate buffers. At stage 2 each bucket's gradients are
     # staged in a buffer that is reduce-scattered and freed, with up to _REDUCE_STAGING of them
@@ -106,6 +108,7 @@ def _stage3(
     largest_layer: int | None,
     notes: list[str],
     accumulating: bool = False,
+    partial: bool = False,
 ) -> dict[str, float]:
     """Stage 3's buffers as runtime/stage3 allocates them, G = the largest parameter group
     (--largest-layer; a module's parameters, usually the root group: embeddings + head):
@@ -139,7 +142,9 @@ def _stage3(
             "elements) for a bound that holds for any model"
         )
     out: dict[str, float] = {}
-    masters_on_device = opt_dev == "none" and bpe.master > 0
+    # (a Twin-Flow partial offload's GPU groups too: their fp32 master is the at-rest parameter,
+    # gathered with a cast even at one rank)
+    masters_on_device = (opt_dev == "none" or partial) and bpe.master > 0
     prefetch = _zero_size(zero, "stage3_prefetch_bucket_size")
     ahead = 0  # elements prefetched (gathering or gathered ahead of the running group)
     if prefetch > 0 and (n > 1 or par_dev != "none"):

@@ -85,7 +85,8 @@ def model_state_bytes(
 
     reshard = bool(cfg.zerorun.stage3_reshard_after_forward) if cfg is not None else True
     buffers = _buffers(
-        num_params, stage, bpe, zero, opt_dev, par_dev, n, largest_layer, notes, reshard, _accumulating(cfg, n)
+        num_params, stage, bpe, zero, opt_dev, par_dev, n, largest_layer, notes, reshard, _accumulating(cfg, n),
+        partial=opt_dev == "cpu" and ratio < 1.0,
     )
     if stage == 3 and zero is not None and zero.stage3_param_persistence_threshold not in (0, "auto"):
         notes.append(
@@ -138,7 +139,8 @@ def _pieces(stage: int, bpe: BytesPerElement, opt_dev: Offload, par_dev: Offload
       optimizer steps on an fp32 host master.
     * a partial offload (ratio r < 1, device cpu) keeps r of master, states and host gradient
       copy on the host and the rest of master and states on the GPU (the GPU part's master is
-      the parameter shard in fp32 training, as without offload).
+      the parameter shard in fp32 training, as without offload; at stage 3 with parameters on
+      the GPU it is the at-rest parameter in 16-bit training too: 16-bit slices for r only).
     """
     opt_where = {"none": "gpu", "cpu": "cpu", "nvme": "nvme"}[opt_dev]
     par_where = {"none": "gpu", "cpu": "cpu", "nvme": "nvme"}[par_dev]
@@ -146,8 +148,11 @@ def _pieces(stage: int, bpe: BytesPerElement, opt_dev: Offload, par_dev: Offload
         stage == 3 and opt_dev == "none" and par_dev == "none" and bpe.master > 0 and bpe.precision != "paper"
     )
     master_width = bpe.master or (4 if opt_dev != "none" else 0)
+    params_width = 0 if master_is_param else bpe.params
+    if stage == 3 and opt_dev == "cpu" and ratio < 1.0 and par_dev == "none" and bpe.master > 0 and bpe.precision != "paper":
+        params_width = bpe.params * ratio  # the GPU part's fp32 master is its at-rest parameter, as without offload
     pieces: list[Piece] = [
-        ("params", par_where, 0 if master_is_param else bpe.params, stage >= 3),
+        ("params", par_where, params_width, stage >= 3),
         ("grads", "gpu", bpe.grads, stage >= 2),
     ]
     if opt_dev == "cpu" and ratio < 1.0:

@@ -188,6 +188,12 @@ class HostPlacement(ShardPlacement):
         else:
             self._plan = None
 
+    def master_on_device(self, index: int) -> bool:
+        """Does ``plan`` keep flat buffer ``index``'s master and states on the device (Twin-Flow)?
+        Stage 3 then keeps that buffer's at-rest parameter as the fp32 master itself, as without
+        offload (runtime/stage3/build.py), instead of a 16-bit shard beside an fp32 master."""
+        return self._plan is not None and self._plan[index]
+
     @property
     def host_share(self) -> float:
         """The host's share of this rank's master elements (1.0 without Twin-Flow)."""
@@ -224,8 +230,9 @@ class HostPlacement(ShardPlacement):
         return master
 
     def _device_master(self, param_shard: torch.Tensor, fp32_init: Callable[[], torch.Tensor]) -> torch.Tensor:
-        """A Twin-Flow master kept on the device: the parameter shard itself in fp32 training
-        (as without offload), else an fp32 device copy. No host buffers, no tiles."""
+        """A Twin-Flow master kept on the device: the parameter shard itself when it is fp32 on
+        the device (fp32 training; stage 3's at-rest shard, master_on_device), else an fp32 device
+        copy. No host buffers, no tiles."""
         if param_shard.dtype == torch.float32 and param_shard.device == self.device:
             master = param_shard
         else:

@@ -24,7 +24,10 @@ How zerorun splits (the unit is one flat buffer's shard, whole; DeepSpeed splits
   0.87x.
 
 The device part steps on the training thread (CUDA: kernels on the training stream, queued
-after the host part was handed to the worker thread, so both run at once).
+after the host part was handed to the worker thread, so both run at once). At stage 3 (parameters
+on the device) a group whose masters all stay on the device keeps no 16-bit at-rest shard: its
+fp32 master is the at-rest parameter, as without offload (stage3/build.py asks
+``HostPlacement.master_on_device``), so the device part costs 10 B per element, not 12.
 """
 
 from __future__ import annotations

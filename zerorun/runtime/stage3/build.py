@@ -111,12 +111,17 @@ def build_stage3(
     policy = settings.precision.policy
     store: ParamShardStore = placement.param_store or DeviceParamStore(device)
     # Masters and shards both on the device: the fp32 master shard is the at-rest parameter
-    # (the master of an fp32 shard is the shard itself, DevicePlacement.make_master).
-    rest_dtype = (
-        torch.float32
-        if isinstance(placement, DevicePlacement) and isinstance(store, DeviceParamStore)
-        else policy.param_dtype
-    )
+    # (the master of an fp32 shard is the shard itself, DevicePlacement.make_master) -- also for
+    # the groups whose masters a Twin-Flow partial offload keeps on the device
+    # (HostPlacement.master_on_device; its _device_master takes an fp32 device shard as is).
+    kept = getattr(placement, "master_on_device", None)
+
+    def rest_dtype_of(layouts: list[FlatLayout]) -> torch.dtype:
+        if not isinstance(store, DeviceParamStore):
+            return policy.param_dtype
+        if isinstance(placement, DevicePlacement) or (kept is not None and layouts and all(kept(lay.index) for lay in layouts)):
+            return torch.float32
+        return policy.param_dtype
     world, rank = comm.world_size, comm.rank
     plans = plan_groups(
         module,
@@ -171,7 +176,7 @@ def build_stage3(
                 store=store,
                 persistent=plan.persistent,
                 fp32_shards=fp32,
-                rest_dtype=rest_dtype,
+                rest_dtype=rest_dtype_of(layouts),
             )
             for li, layout in enumerate(layouts):
                 masters.append(placement.make_master(layout.index, group.at_rest[li], _init_of(fp32, li)))
