@@ -49,8 +49,8 @@ class OffloadTarget(NamedTuple):
 OFFLOAD_TARGETS: dict[str, OffloadTarget] = {
     "zero2_offload_opt": OffloadTarget("zero2", 0.65, "exact CPU offload"),
     "zero3_offload_opt": OffloadTarget("zero3", 0.65, "exact CPU offload"),
-    "zero2_offload_ratio": OffloadTarget("zero2", 0.85, "Twin-Flow ratio 0.5, exact", "zero2_offload_opt"),
-    "zero3_offload_ratio": OffloadTarget("zero3", 0.85, "Twin-Flow ratio 0.5, exact", "zero3_offload_opt"),
+    "zero2_offload_ratio": OffloadTarget("zero2", 0.85, "Twin-Flow ratio {ratio}, exact", "zero2_offload_opt"),
+    "zero3_offload_ratio": OffloadTarget("zero3", 0.85, "Twin-Flow ratio {ratio}, exact", "zero3_offload_opt"),
     "zero2_offload_dpu": OffloadTarget("zero2", 0.75, "with the delayed update"),
     "zero2_zenflow": OffloadTarget(
         "zero2", 0.90, "ZenFlow, top 5 % of columns on the GPU, the rest every 4 steps"
@@ -290,7 +290,8 @@ def offload_target_lines(by: dict[str, dict[str, Any]]) -> list[str]:
         ratio = float(by[off]["tokens_per_s_per_gpu"]) / float(by[t.ref]["tokens_per_s_per_gpu"])
         # Three decimals where two would round a miss up to the target (0.846 is not 0.85).
         shown = f"{ratio:.3f}" if ratio < t.least <= round(ratio, 2) else f"{ratio:.2f}"
-        line = f"- `{off}`: {shown}× `{t.ref}` {'✓' if ratio >= t.least else '✗'} (target ≥ {t.least:.2f}×, {t.about})"
+        about = t.about.replace("{ratio}", _offload_ratio(by[off]))
+        line = f"- `{off}`: {shown}× `{t.ref}` {'✓' if ratio >= t.least else '✗'} (target ≥ {t.least:.2f}×, {about})"
         full = by.get(t.halfway_from) if t.halfway_from else None
         mems = [r.get("gpu_mem_peak_allocated_bytes") for r in (by[off], full, by[t.ref]) if r is not None]
         if full is not None and len(mems) == 3 and None not in mems:
@@ -302,6 +303,13 @@ def offload_target_lines(by: dict[str, dict[str, Any]]) -> list[str]:
             )
         lines.append(line)
     return lines
+
+
+def _offload_ratio(rec: dict[str, Any]) -> str:
+    """The Twin-Flow ratio the record ran with (its own config: the catalogue's value changed)."""
+    cfg = rec.get("zerorun_config") or {}
+    ratio = ((cfg.get("zero_optimization") or {}).get("offload_optimizer") or {}).get("ratio")
+    return "?" if ratio is None else f"{ratio:g}" if isinstance(ratio, float | int) else str(ratio)
 
 
 def _memory_section(recs: Sequence[dict[str, Any]]) -> list[str]:

@@ -105,6 +105,11 @@ run s3_shared_gloo 90 env ZERORUN_BACKEND=gloo ZR_S3_WORLDS=2,4 \
 # 5. stage-3 memory at rest per rank (torch.cuda.memory_allocated) vs 16Ψ/N: JSON in $OUT/s3_memory_w*.json
 run s3_memory_w1 40 env OUT="$OUT" "$PY" -m zerorun --num_gpus 1 tests/runtime/_s3_gpu_memory.py --size 350M
 run s3_memory_w4 60 env OUT="$OUT" "$PY" -m zerorun --num_gpus 4 --ranks_per_gpu 4 tests/runtime/_s3_gpu_memory.py --size 350M
+# 5b. stage 3 + offload: initialize's GPU peak has no 4 B/param fp32-master term (320M GPT; cpu/nvme masters,
+#     zero.Init, parameters on the GPU); the master shards are cut on the host one group at a time (2 ranks sharing).
+run s3_init_peak 150 env ZERORUN_BACKEND=gloo \
+  "${PYTEST[@]}" tests/benchmarks/test_largest_model_init.py tests/runtime/test_stage3_build.py \
+  --junitxml="$OUT/s3_init_peak.xml"
 # 6. The delayed parameter update (issue 20) against the one-step-delayed reference: the CUDA copy
 #    path (pinned tiles, side streams, events, the worker thread) in the triggering configuration.
 run dpu_shared_gloo 150 env ZERORUN_BACKEND=gloo \

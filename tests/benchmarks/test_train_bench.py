@@ -211,6 +211,14 @@ def test_offload_rows_are_judged_against_their_own_targets() -> None:
     assert "peak GPU memory 31.0 GiB > halfway 30.0 GiB between `zero2_offload_opt` and `zero2` ✗" in md
     assert "`zero3_offload_ratio`: 0.85× `zero3` ✓" in md
     assert "peak GPU memory 20.0 GiB ≤ halfway 20.0 GiB between `zero3_offload_opt` and `zero3` ✓" in md
+    # The ratio named is the one the row ran with (its own config), not the catalogue's today.
+    ran = {**{r["config"]: r for r in recs}}
+    ran["zero3_offload_ratio"] = {
+        **ran["zero3_offload_ratio"],
+        "zerorun_config": {"zero_optimization": {"offload_optimizer": {"device": "cpu", "ratio": 0.55}}},
+    }
+    assert any("Twin-Flow ratio 0.55, exact" in x for x in report.offload_target_lines(ran))
+    assert "Twin-Flow ratio ?, exact" in md  # a record without its config says it does not know
     # A miss that two decimals would round up to the target shows three.
     near = {**{r["config"]: r for r in recs}, "zero2_zenflow": _rec("zero2_zenflow", 89.6, 5.0, 20 * G)}
     assert any(x.startswith("- `zero2_zenflow`: 0.896× `zero2` ✗") for x in report.offload_target_lines(near))
