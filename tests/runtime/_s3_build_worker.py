@@ -122,6 +122,18 @@ def run_case(name: str, cfg: dict, how: str) -> dict:
         "n_masters": len(state.masters),
         "persistent_masters": sum(len(g.layouts) for g in engine.stage.groups if g.persistent),
         "twinflow_device_masters": sum(getattr(state.placement, "on_device", [])),
+        # per flat buffer of the partitioned groups: (Twin-Flow keeps its master on the device,
+        # the at-rest shard's dtype, the at-rest shard is the master's storage)
+        "rest": [
+            (
+                bool(state.placement.master_on_device(layout.index)) if hasattr(state.placement, "master_on_device") else None,
+                str(g.at_rest[li].dtype),
+                g.at_rest[li].untyped_storage().data_ptr() == state.masters[layout.index].untyped_storage().data_ptr(),
+            )
+            for g in engine.stage.groups
+            if not g.persistent
+            for li, layout in enumerate(g.layouts)
+        ],
         "loss": float(loss),
     }
     engine.destroy()
@@ -139,6 +151,7 @@ def main() -> None:
         "nvme-cpu": (config("nvme", "cpu", nvme), "normal"),
         "nvme-none-init": (config("nvme", "none", nvme), "init"),
         "ratio-cpu": (config("cpu", "cpu", nvme, ratio=0.5), "normal"),
+        "ratio-none": (config("cpu", "none", nvme, ratio=0.5), "normal"),
         "none-none": (config("none", "none", nvme), "normal"),
     }
     mine = {name: run_case(name, cfg, how) for name, (cfg, how) in cases.items()}

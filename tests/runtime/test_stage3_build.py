@@ -24,7 +24,7 @@ from ._spawn import results_per_world
 
 HERE = Path(__file__).resolve().parent
 WORLD = 2
-OFFLOADED = ["cpu-cpu", "cpu-cpu-init", "cpu-none", "nvme-cpu", "nvme-none-init", "ratio-cpu"]
+OFFLOADED = ["cpu-cpu", "cpu-cpu-init", "cpu-none", "nvme-cpu", "nvme-none-init", "ratio-cpu", "ratio-none"]
 
 
 @pytest.fixture(scope="module")
@@ -43,13 +43,27 @@ def test_offloaded_masters_are_cut_on_the_host_one_group_at_a_time(results, case
         held = [c["alive_before"] for c in r["cuts"]]
         assert held == [0] * len(held), f"rank {rank}: fp32 shards of earlier groups still alive: {held}"
         assert r["alive_after"] == 0, f"rank {rank}: {r['alive_after']} fp32 shards outlived initialize"
-        if case != "ratio-cpu":
+        if not case.startswith("ratio"):
             assert r["master_devices"] == ["cpu"], r["master_devices"]
 
 
-def test_twinflow_split_is_planned_before_the_masters_are_made(results) -> None:  # noqa: ANN001
-    for r in results["ratio-cpu"]:
+@pytest.mark.parametrize("case", ["ratio-cpu", "ratio-none"])
+def test_twinflow_split_is_planned_before_the_masters_are_made(results, case: str) -> None:  # noqa: ANN001
+    for r in results[case]:
         assert 0 < r["twinflow_device_masters"] < r["n_masters"], r
+
+
+def test_twinflow_device_groups_keep_the_master_as_the_at_rest_parameter(results) -> None:  # noqa: ANN001
+    """Parameters on the device: a partitioned group whose masters Twin-Flow keeps on the device
+    has no 16-bit at-rest shard -- the fp32 master is it, as without offload; the host's groups
+    keep a 16-bit one. With the parameters offloaded every at-rest shard is 16-bit."""
+    for case, params_on_device in (("ratio-none", True), ("ratio-cpu", False)):
+        for r in results[case]:
+            rest = r["rest"]
+            assert any(on for on, _, _ in rest) and not all(on for on, _, _ in rest), rest
+            for on, dtype, is_master in rest:
+                kept = on and params_on_device
+                assert (dtype == "torch.float32", is_master) == (kept, kept), (case, rest)
 
 
 def test_without_offload_the_fp32_at_rest_shards_are_the_masters(results) -> None:  # noqa: ANN001
