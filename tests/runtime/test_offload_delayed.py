@@ -21,6 +21,8 @@ nearly every element.
 from __future__ import annotations
 
 import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -131,3 +133,30 @@ def test_copy_window_leaves_a_partly_copied_buffer_to_the_step() -> None:
     w.tile_done(0, 0)
     assert issued == [(0, 0, "r")]
     assert w.close() == set()
+
+
+def test_copy_window_hands_the_copies_to_one_thread_in_order() -> None:
+    """With the placement's copy thread: the copies run there in the order they became due,
+    close() returns once all ran, and an error in one is raised by close()."""
+    ran: list[tuple[int, int, str, str]] = []
+
+    def issue(i: int, k: int, ready: str) -> None:
+        if ready == "bad":
+            raise RuntimeError("copy failed")
+        ran.append((i, k, ready, threading.current_thread().name))
+
+    with ThreadPoolExecutor(1, thread_name_prefix="copies") as pool:
+        w = CopyWindow({0: 2, 1: 1}, issue, pool)
+        w.tile_done(0, 0)
+        assert w.grad_ready(0, "r0")
+        w.tile_done(0, 1)
+        w.tile_done(1, 0)
+        assert w.grad_ready(1, "r1")
+        assert w.close() == {0, 1}
+        assert [r[:3] for r in ran] == [(0, 0, "r0"), (0, 1, "r0"), (1, 0, "r1")]
+        assert all(r[3].startswith("copies") for r in ran)
+        w = CopyWindow({0: 1}, issue, pool)
+        w.grad_ready(0, "bad")
+        w.tile_done(0, 0)
+        with pytest.raises(RuntimeError, match="copy failed"):
+            w.close()

@@ -31,9 +31,13 @@ forward/backward:
   has written the tile, and the backward no longer reads the buffer's parameters (its gradients
   are final). The next forward sees it, as before; the backward of t+1 saw the old values.
 
-Whichever thread sees the second condition queues the tile's two copies (the worker after a tile,
-the training thread in ``grad_ready``), so at the end of step t+1 only the copies of the tiles the
-worker finished after the backward remain; the worker steps the buffers in the order their
+Whichever thread sees the second condition hands the tile's two copies to the placement's copy
+thread (the worker after a tile, the training thread in ``grad_ready``), which queues them on the
+copy streams: queuing a copy costs the calling thread ~0.5 ms per tile on the H200 host with the
+training loop beside it (the GIL, the CUDA calls), 42 ms per step of the worker's time when the
+worker queued them itself (``offload_profile.staging_s`` in
+``benchmarks/results/20261201T202221Z-1.3B-w1-thr__zero2_offload_dpu.json``). At the end of step
+t+1 only the copies of the tiles the worker finished after the backward remain; the worker steps the buffers in the order their
 gradients become final (``twinflow.ready_order``), so those are few. Buffers with no
 ``grad_ready`` (a parameter without a gradient, a stage that does not call it) are copied at the
 step as before. No extra host memory: the host gradient buffer of a tile is reused only once the
@@ -48,6 +52,7 @@ from __future__ import annotations
 import threading
 import warnings
 from collections.abc import Callable, Mapping
+from concurrent.futures import Executor, Future
 from typing import Any
 
 __all__ = ["CopyWindow", "DelayPolicy"]
@@ -77,19 +82,24 @@ class DelayPolicy:
 
 class CopyWindow:
     """The per-tile bookkeeping of the copies that overlap the next backward (module docstring):
-    a tile's copies are queued (``issue(buffer, tile, ready)``, under this window's lock, so
-    the copies of both threads queue in one order) once the worker finished it (``tile_done``)
-    and its buffer's gradient is final (``grad_ready`` with ``ready``: what the copies are
-    ordered after). ``close`` (after the worker was joined) ends it and names the buffers whose
-    copies all went."""
+    a tile's copies are queued (``issue(buffer, tile, ready)``) once the worker finished it
+    (``tile_done``) and its buffer's gradient is final (``grad_ready`` with ``ready``: what the
+    copies are ordered after). With an ``executor`` (one thread) ``issue`` runs there, in the
+    order the tiles became due (submitted under this window's lock); without one, at once in
+    the calling thread. ``close`` (after the worker was joined) ends it, waits until every
+    ``issue`` ran (raising its error, if any) and names the buffers whose copies all went."""
 
-    def __init__(self, tiles: Mapping[int, int], issue: Callable[[int, int, Any], None]) -> None:
+    def __init__(
+        self, tiles: Mapping[int, int], issue: Callable[[int, int, Any], None], executor: Executor | None = None
+    ) -> None:
         self._lock = threading.Lock()
         self._count = dict(tiles)  # buffer -> its tiles
         self._done = dict.fromkeys(self._count, 0)  # tiles the worker finished, in order
         self._issued = dict.fromkeys(self._count, 0)  # tiles whose copies are queued, in order
         self._ready: dict[int, Any] = {}
         self._issue = issue
+        self._executor = executor
+        self._submitted: list[Future[None]] = []
         self._open = True
         self.by_worker = 0  # tiles whose copies the worker queued (the rest: the training thread)
         self.by_trainer = 0
@@ -118,12 +128,20 @@ class CopyWindow:
             return 0
         start = self._issued[index]
         while self._issued[index] < self._done[index]:
-            self._issue(index, self._issued[index], ready)
+            if self._executor is None:
+                self._issue(index, self._issued[index], ready)
+            else:
+                self._submitted.append(self._executor.submit(self._issue, index, self._issued[index], ready))
             self._issued[index] += 1
         return self._issued[index] - start
 
     def close(self) -> set[int]:
-        """No more copies from this window; the buffers whose every tile's copies are queued."""
+        """No more copies from this window; once every one handed over is queued, the buffers
+        whose every tile's copies are."""
         with self._lock:
             self._open = False
-            return {i for i in self._ready if self._issued[i] == self._count[i]}
+            whole = {i for i in self._ready if self._issued[i] == self._count[i]}
+            submitted, self._submitted = self._submitted, []
+        for future in submitted:
+            future.result()
+        return whole

@@ -39,6 +39,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -160,6 +161,7 @@ class HostPlacement(ShardPlacement):
         self._window: CopyWindow | None = None
         self._copied: set[int] = set()
         self.overlapped_buffers = 0  # buffers copied during the backward (tests, docs)
+        self._copy_thread: ThreadPoolExecutor | None = None  # queues the window's copies
 
     # -- storage (subclasses) -----------------------------------------------------------------
     def _new_master(self, index: int, numel: int, fp32_init: Callable[[], torch.Tensor]) -> torch.Tensor:
@@ -401,9 +403,9 @@ class HostPlacement(ShardPlacement):
             self.overlapped_buffers += len(self._copied)
 
     def _window_copy(self, index: int, k: int, ready: tuple[Event, torch.Tensor]) -> None:
-        """Tile ``k`` of buffer ``index`` during the backward (dpu.CopyWindow, under its lock;
-        worker or training thread): its gradient down, the delayed update up into the device
-        parameter shard, both after ``ready`` (the training stream at the buffer's grad_ready)."""
+        """Tile ``k`` of buffer ``index`` during the backward (dpu.CopyWindow, on the copy
+        thread): its gradient down, the delayed update up into the device parameter shard, both
+        after ``ready`` (the training stream at the buffer's grad_ready)."""
         event, grad_shard = ready
         a, b = self.tiles[index][k]
         src = grad_shard.reshape(-1)
@@ -599,7 +601,10 @@ class HostPlacement(ShardPlacement):
             order = [i for i in ready_order(len(self.masters), self.opts.stage) if i in host]
             window = None
             if self.opts.early_start:
-                window = self._window = CopyWindow({i: len(self.tiles[i]) for i in order}, self._window_copy)
+                if self._copy_thread is None:
+                    self._copy_thread = ThreadPoolExecutor(1, thread_name_prefix="zerorun-copies")
+                tiles_of = {i: len(self.tiles[i]) for i in order}
+                window = self._window = CopyWindow(tiles_of, self._window_copy, self._copy_thread)
             self.runner.submit(lambda: self._update(job, push=False, indices=order, window=window))
         self._ready = None
         self._in_step = False
@@ -632,6 +637,9 @@ class HostPlacement(ShardPlacement):
             self._flush_deferred()  # the host shards hold the last update
         finally:
             self.runner.close()
+            if self._copy_thread is not None:
+                self._copy_thread.shutdown(wait=True)
+                self._copy_thread = None
             if self.param_store is not None:
                 self.param_store.close()
 
