@@ -92,6 +92,8 @@ def matrix(world: int) -> list[OCase]:
         OCase(2, "fp32", clip=CLIP, device="nvme", delayed=True, model="wide", steps=4),
         # Its copies overlapping the next backward (dpu.CopyWindow) with NVMe's staging buffers.
         OCase(2, "bf16", device="nvme", delayed=True, model="wide", steps=4),
+        # ... and with stage 3's host parameter shards (gradients down early, write-backs at the step).
+        OCase(3, "bf16", param="cpu", delayed=True, model="wide", steps=4),
         OCase(2, "fp16", clip=CLIP, steps=4, inject=((1, world - 1),)),
         # Twin-Flow: part of the masters and states on the device, stepped there concurrently.
         OCase(1, "fp32", ratio=0.5),
