@@ -89,9 +89,10 @@ CATALOGUE: dict[str, BenchConfig] = {
         # offload = full offload + 12 B per parameter: 0.5 (the whole-buffer split keeps 0.498 on
         # the GPU; 25 MB under halfway). Stage 3: its no-offload run keeps no 16-bit shard (the
         # fp32 master is the at-rest parameter), so halfway is ~1.2 GB lower; the GPU groups of a
-        # partial offload now do the same (+ 10 B per GPU element + one gathered root + block):
-        # 0.55 keeps the root group + 9 of 24 blocks (0.438) on the GPU, predicted ~0.6 GB under
-        # halfway (at 0.5 with 12 B per element it peaked 0.81 GB over; 0.5 now: ~0.1 GB under).
+        # partial offload now do the same (- 2 B per GPU element, + the root group gathered):
+        # 0.55 keeps the root group + 9 of 24 blocks (0.438) on the GPU: 0.70 GB under halfway
+        # at 0.857x on the H200 (20261201T202221Z; at 0.5 with the old layout it peaked 0.81 GB
+        # over; 0.5 now: predicted 0.19 GB under).
         # tests/runtime/test_offload_twinflow.py::test_h200_ratio_rows_keep_the_peak_within_halfway.
         _zr(
             "zero2_offload_ratio",

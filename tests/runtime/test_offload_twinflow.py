@@ -153,22 +153,65 @@ def test_estimate_splits_master_and_states() -> None:
 
 
 # The issue-17 rows on one H200 (1.34B GPT: 24 blocks, d_model 2048, vocab 32000, sequence 2048;
-# benchmarks/results/<run>__<config>.json), one run per stage with both the full and the partial
-# offload row in it.
+# benchmarks/results/<run>__<config>.json), runs with both the full and the partial offload row.
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
-H200_RUNS = {2: "20261201T171821Z-1.3B-w1-thr", 3: "20261201T182912Z-1.3B-w1-thr"}
+# Before b59d23b every stage-3 group kept a 16-bit at-rest shard (Twin-Flow's GPU groups too).
+OLD_LAYOUT = {2: "20261201T171821Z-1.3B-w1-thr", 3: "20261201T182912Z-1.3B-w1-thr"}
+# After it (a972509): the stage-3 GPU groups' fp32 master is their at-rest parameter.
+H200_RUNS = {2: "20261201T171821Z-1.3B-w1-thr", 3: "20261201T202221Z-1.3B-w1-thr"}
 
 
-def _record(stage: int, config: str) -> dict:
-    return json.loads((RESULTS / f"{H200_RUNS[stage]}__{config}.json").read_text())
+def _record(stage: int, config: str, runs: dict[int, str] = H200_RUNS) -> dict:
+    return json.loads((RESULTS / f"{runs[stage]}__{config}.json").read_text())
+
+
+def _stage3_groups() -> list[int]:
+    """The 1.34B GPT's stage-3 flat buffers at one rank as runtime/stage3 plans them (padded
+    elements, in its order: the root group, the blocks, the persistent group last)."""
+    import sys
+
+    import torch
+
+    from zerorun.config.zero_section import ZeroOptimization
+    from zerorun.runtime.flat_params import SLOT_ALIGN_BYTES, collect_trainable
+    from zerorun.runtime.partition import ParamSpec, plan_flat_buffers
+    from zerorun.runtime.stage3.groups import plan_groups
+
+    sys.path.insert(0, str(RESULTS.parents[1] / "examples"))
+    import gpt_model
+
+    with torch.device("meta"):
+        model = gpt_model.GPT(gpt_model.get_config("1.3B"))
+    trainable, _ = collect_trainable(model, None)
+    threshold = int(ZeroOptimization.model_fields["stage3_param_persistence_threshold"].default)
+    plans = plan_groups(model, trainable, persistence_threshold=threshold, class_names=None, min_numel=0)
+    assert plans[-1].persistent and not any(p.persistent for p in plans[:-1])
+    out = []
+    for plan in plans:
+        specs = [ParamSpec(t.name, tuple(t.param.shape), "bfloat16", 0, ()) for t in plan.params]
+        (layout,) = plan_flat_buffers(specs, num_shards=1, bucket_numel=1 << 62, slot_align_bytes=SLOT_ALIGN_BYTES)
+        out.append(layout.padded_numel)
+    return out
+
+
+def _stage3_peak(full: int, groups: list[int], on_device: list[bool]) -> int:
+    """Stage 3's Twin-Flow peak at one rank since b59d23b: the full-offload peak + 12 B per GPU
+    element (fp32 master + Adam) - 2 B per GPU element of a partitioned group (no 16-bit at-rest
+    shard: the fp32 master is it; the persistent group keeps its 16-bit replicas) + the root
+    group gathered in 16 bits when it is a GPU group (it is then no longer resident)."""
+    dev = sum(n for n, d in zip(groups, on_device, strict=True) if d)
+    partitioned = sum(n for n, d in zip(groups[:-1], on_device[:-1], strict=True) if d)
+    return full + 12 * dev - 2 * partitioned + (2 * groups[0] if on_device[0] else 0)
 
 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_h200_peak_is_full_offload_plus_the_device_part(stage: int) -> None:
     """The peak GPU memory of a Twin-Flow row is the full-offload row's plus the device part's
     masters and states (12 B per element, bf16 + AdamW) -- to the byte: nothing else of the split
-    adds to the peak, so the device share alone decides the halfway check."""
-    full, part = _record(stage, f"zero{stage}_offload_opt"), _record(stage, f"zero{stage}_offload_ratio")
+    adds to the peak, so the device share alone decides the halfway check (the layout where
+    every group keeps a 16-bit at-rest shard: stage 2, and stage 3 before b59d23b)."""
+    full = _record(stage, f"zero{stage}_offload_opt", OLD_LAYOUT)
+    part = _record(stage, f"zero{stage}_offload_ratio", OLD_LAYOUT)
     dev = part["engine_memory"]["cuda:0"]
     added = part["gpu_mem_peak_allocated_bytes"] - full["gpu_mem_peak_allocated_bytes"]
     assert added == dev["master"] + dev["optimizer_states"] and dev["master"] > 0
@@ -177,18 +220,29 @@ def test_h200_peak_is_full_offload_plus_the_device_part(stage: int) -> None:
     assert dev["master"] / 4 <= (1 - 0.5) * numel
 
 
+def test_h200_stage3_gpu_groups_keep_no_16bit_shard() -> None:
+    """Stage 3 since b59d23b (ratio 0.55, a972509): the row's peak is _stage3_peak to the byte --
+    its GPU groups keep no 16-bit at-rest shard and the root group is gathered -- and the ledger's
+    16-bit at-rest shards are the host groups' (+ the persistent replicas)."""
+    groups = _stage3_groups()
+    full = _record(3, "zero3_offload_opt")
+    part = _record(3, "zero3_offload_ratio")
+    ratio = part["zerorun_config"]["zero_optimization"]["offload_optimizer"]["ratio"]
+    split = device_buffers(groups, ratio, 0, ready_order(len(groups), 3))
+    dev = part["engine_memory"]["cuda:0"]
+    assert dev["master"] == 4 * sum(n for n, d in zip(groups, split, strict=True) if d)  # the runtime's split
+    host = sum(n for n, d in zip(groups[:-1], split[:-1], strict=True) if not d)
+    assert dev["params"] == 2 * (host + groups[-1])
+    assert part["gpu_mem_peak_allocated_bytes"] == _stage3_peak(full["gpu_mem_peak_allocated_bytes"], groups, split)
+
+
 def test_h200_ratio_rows_keep_the_peak_within_halfway() -> None:
     """benchmarks/configs.py's ratio rows: the whole-buffer split of the 1.34B model at the
-    row's ratio, added to the committed full-offload peak, stays at most halfway between the
-    full-offload and the no-offload peaks of the same run. Stage 2: + 12 B per GPU element (the
-    test above, measured). Stage 3 (a prediction until a GPU run at the new layout): its GPU
-    groups keep no 16-bit at-rest shard -- their fp32 master is the parameter, as without
-    offload (runtime/stage3/build.py) -- so + 10 B per GPU element, + the root group and one
-    block gathered (16-bit) at one rank. The same rule with every element on the GPU gives
-    the committed no-offload peak + 0.10 GB (it errs high); halfway is between the measured
-    peaks. With the old layout (12 B per GPU element) stage 3 needed 0.58."""
-    import sys
-
+    row's ratio, added to the committed full-offload peak by the rules above (measured to the
+    byte), stays at most halfway between the full-offload and the no-offload peaks of the same
+    run. Stage 2: + 12 B per GPU element. Stage 3: _stage3_peak; with every element on the GPU it
+    gives the committed no-offload peak within 13 KB. With the old stage-3 layout (12 B per GPU
+    element) stage 3 needed 0.58."""
     import torch
 
     from benchmarks.configs import CATALOGUE
@@ -196,8 +250,8 @@ def test_h200_ratio_rows_keep_the_peak_within_halfway() -> None:
     from zerorun.runtime.flat_stage import MAX_FLAT_NUMEL
     from zerorun.runtime.partition import ParamSpec, plan_flat_buffers
 
-    sys.path.insert(0, str(RESULTS.parents[1] / "examples"))
-    import gpt_model
+    groups = _stage3_groups()
+    import gpt_model  # (on sys.path: _stage3_groups)
 
     with torch.device("meta"):
         model = gpt_model.GPT(gpt_model.get_config("1.3B"))
@@ -208,8 +262,7 @@ def test_h200_ratio_rows_keep_the_peak_within_halfway() -> None:
         full = _record(stage, f"zero{stage}_offload_opt")["gpu_mem_peak_allocated_bytes"]
         none = _record(stage, f"zero{stage}")["gpu_mem_peak_allocated_bytes"]
         if stage == 3:  # one flat buffer per module group: the root (embeddings, head, final norm), then each block
-            blocks = [sum(p.numel() for p in b.parameters()) for b in model.blocks]
-            numels = [sum(p.numel() for p in model.parameters()) - sum(blocks), *blocks]
+            numels = groups
         else:  # the runtime's packing: gradient order, at most MAX_FLAT_NUMEL (< DeepSpeed's 5e8 buckets)
             specs = [ParamSpec(t.name, tuple(t.param.shape), "bfloat16", 0, ()) for t in trainable]
             layouts = plan_flat_buffers(specs, num_shards=1, bucket_numel=MAX_FLAT_NUMEL, slot_align_bytes=SLOT_ALIGN_BYTES)
@@ -217,12 +270,14 @@ def test_h200_ratio_rows_keep_the_peak_within_halfway() -> None:
         split = device_buffers(numels, cfg.offload_ratio, 0, ready_order(len(numels), stage))
         on_device = sum(n for n, d in zip(numels, split, strict=True) if d)
         if stage == 3:
-            gathered = 2 * (numels[0] + max(numels[1:]))  # the root group + one block, bf16
-            every = full + 10 * sum(numels) + gathered  # the rule with every element on the GPU
-            assert 0 <= every - none < 0.15e9, (every, none)  # 100 MB above: offload's own transients
-            peak = full + 10 * on_device + gathered
+            every = _stage3_peak(full, groups, [True] * len(groups))  # the rule with every element on the GPU
+            assert abs(every - none) < 2**20, (every, none)  # 13 KB apart
+            peak = _stage3_peak(full, groups, split)
         else:
             peak = full + 12 * on_device
         assert peak <= (full + none) / 2, (stage, cfg.offload_ratio, on_device, peak)
-        if stage == 2 and cfg.offload_ratio == 0.5:  # the committed row at this ratio: the same split
-            assert 4 * on_device == _record(2, "zero2_offload_ratio")["engine_memory"]["cuda:0"]["master"]
+        row = _record(stage, f"zero{stage}_offload_ratio")
+        if row["zerorun_config"]["zero_optimization"]["offload_optimizer"]["ratio"] == cfg.offload_ratio:
+            # the committed row at this ratio: the same split, and its peak within the rule's
+            assert 4 * on_device == row["engine_memory"]["cuda:0"]["master"]
+            assert row["gpu_mem_peak_allocated_bytes"] <= peak
