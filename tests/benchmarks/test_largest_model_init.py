@@ -9,10 +9,14 @@ right before initialize).
   never touch the GPU -- its peak during initialize is a group's 16-bit gather buffer (parameters
   offloaded) or the 2 B/param at-rest shards (parameters on the GPU), far below the 4 B/param
   the masters would take.
+
+With OUT set (scripts/gpu_checks.sh), each measured record is appended to $OUT/init_peak.jsonl.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import sys
 from pathlib import Path
 
@@ -30,8 +34,18 @@ CPU_MODEL = ["--layers", "12", "--hidden", "768", "--vocab", "4096", "--seq", "2
 GPU_MODEL = ["--layers", "24", "--hidden", "1024", "--vocab", "8192", "--seq", "512"]
 
 
+def _keep(rec: dict) -> None:
+    """The measured record, also when the test passes: appended to $OUT/init_peak.jsonl when OUT
+    is set (scripts/gpu_checks.sh's results folder)."""
+    out = os.environ.get("OUT")
+    if out and os.path.isdir(out):
+        with open(os.path.join(out, "init_peak.jsonl"), "a", encoding="utf-8") as f:
+            f.write(json.dumps(rec) + "\n")
+
+
 def test_initialize_host_peak_is_what_it_keeps() -> None:
     rec = lmi.run_child([*CPU_MODEL, "--optimizer", "cpu", "--param", "cpu"], timeout_s=240)
+    _keep(rec)
     if not rec["host_peak_reset"]:
         pytest.skip("this kernel does not reset VmHWM (/proc/self/clear_refs)")
     psi = rec["params"]
@@ -60,6 +74,7 @@ def test_initialize_gpu_peak_has_no_fp32_master_term(
     if optimizer == "nvme":
         args += ["--nvme-path", str(tmp_path)]
     rec = lmi.run_child(args, timeout_s=300)
+    _keep(rec)
     growth = rec["gpu_peak_growth_per_param"]
     assert growth < limit, (
         f"GPU peak during initialize: {growth:.2f} B/param (>= {limit}; the fp32 masters are 4): {rec}"
