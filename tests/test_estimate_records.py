@@ -20,7 +20,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 # Runs after the stage-3 staging change (80d8eb1) and the world-1 gather change (fbb2d48).
-RUNS = ("20261201T182912Z-1.3B-w1-thr", "20261201T171821Z-1.3B-w1-thr")
+RUNS = ("20261201T182912Z-1.3B-w1-thr", "20261201T171821Z-1.3B-w1-thr", "20261201T202221Z-1.3B-w1-thr")
 RECORDS = sorted(p for run in RUNS for p in RESULTS.glob(f"{run}__zero3*.json"))
 # Twin-Flow runs made before the GPU groups' fp32 master became their at-rest parameter at stage 3
 # (runtime/stage3/build.py): those kept a 16-bit shard of every group, GPU groups included.
