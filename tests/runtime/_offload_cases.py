@@ -67,6 +67,11 @@ def matrix(world: int) -> list[OCase]:
             OCase(3, "bf16", param="cpu", model="wide"),
             OCase(3, "bf16", ratio=0.5, model="wide"),
             OCase(3, "bf16", param="cpu", model="wide", unhooked=1),  # queued after the backward instead
+            # No clipping, optimizer offload only: the write-backs into the device parameters are
+            # left to the next forward's module hooks (stages 1-2) / group settles (stage 3).
+            OCase(1, "bf16"),
+            OCase(2, "bf16", steps=4),
+            OCase(3, "bf16", model="wide", steps=4),
         ]
     # Stage 3 gathers per module group in the forward, so every rank must run the same modules:
     # TinyNet's rank-dependent branch would deadlock it; stage 3 cases use WideNet.

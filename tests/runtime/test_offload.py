@@ -74,23 +74,21 @@ def test_offload_matches_reference(results, world: int, case: OCase) -> None:  #
         assert prof["main_wait_s"] >= 0 and (case.optim == "sgd" or case.delayed or prof["adam_s"] > 0), prof
         taken = case.steps - sum(1 for _ in case.inject)
         assert all(x["steps_taken"] == taken for x in ranks)
-    # Stage 3 parameter offload with the CPU step started in the backward: from the second step
-    # on (the host shards are known), their write-backs are left to the next forward's fetches
-    # (HostPlacement.settle), so the CPU is still at work when engine.step() returns.
-    deferred = case.stage == 3 and case.param == "cpu" and case.device == "cpu" and case.clip == 0
-    deferred = deferred and case.dtype != "fp16" and not case.delayed
-    if deferred:
-        assert all(x["in_flight"] == [s >= 1 for s in range(case.steps)] for x in ranks)
-        assert all(all((n > 0) == (s >= 1) for s, n in enumerate(x["deferred_write_backs"])) for x in ranks), [
-            x["deferred_write_backs"] for x in ranks
-        ]
-    else:
-        assert not any(any(x["deferred_write_backs"]) for x in ranks)
+    # CPU offload with the CPU step started in the backward (no clipping, no fp16, a tiled
+    # optimizer): from the second step on (the destinations are known), the write-backs are left
+    # to the next forward -- the module hooks of stages 1-2, stage 3's fetches and group forwards
+    # (HostPlacement.settle) -- so the CPU is still at work when engine.step() returns (the
+    # delayed update: in its exact warm-up steps; NVMe: never, its staging buffers are reused).
+    deferring = case.stage in (1, 2, 3) and case.device == "cpu" and case.clip == 0 and case.optim != "sgd"
+    deferring = deferring and case.dtype != "fp16"
+    exact_steps = case.warmup if case.delayed else case.steps
+    pending = [deferring and 1 <= s < exact_steps for s in range(case.steps)]
+    busy = [p or (case.delayed and s >= case.warmup) for s, p in enumerate(pending)]
+    for x in ranks:
+        assert [n > 0 for n in x["deferred_write_backs"]] == pending, (x["deferred_write_backs"], pending)
+        assert x["in_flight"] == busy, (x["in_flight"], busy)
     if case.delayed:
         assert all(x["delayed_steps"] == case.steps - case.warmup for x in ranks)
-        assert all(x["in_flight"] == [s >= case.warmup for s in range(case.steps)] for x in ranks)
-    elif not deferred:
-        assert not any(any(x["in_flight"]) for x in ranks)
     # No clipping, no fp16: stages 1-3 start each flat buffer's CPU step during backward, as
     # soon as its reduced gradient is final (stage 3: grad_ready from its hooks).
     early = case.device != "none" and case.clip == 0 and case.dtype != "fp16" and case.optim != "sgd"

@@ -185,35 +185,42 @@ def test_copier_casts_host_to_host_through_the_device() -> None:
     assert copier.to_device(same, src, None) is None and torch.equal(same, src)  # same dtype: a host copy
 
 
-def test_early_steps_finish_what_the_step_needs_then_what_the_forward_fetches_first() -> None:
-    """HostPlacement._priority: buffers whose write-back the step must finish (device
-    destinations, or no parameter store) first; stage 3 host shards -- written back when the
-    next forward fetches them -- in forward order (ascending flat buffer index)."""
+def test_early_steps_finish_what_the_step_needs_then_what_the_forward_uses_first() -> None:
+    """HostPlacement._priority: buffers whose write-back the step must finish (not among the
+    stage's ``deferrable`` -- stage 3's persistent group --, or the destination not known yet)
+    first; the deferred ones in the order the next forward uses them (stage 3: ascending flat
+    buffer index; stages 1-2, buffers in gradient order: descending). Only an early step may
+    defer (no clipping)."""
     from zerorun.runtime.offload import placement_for
     from zerorun.runtime.settings import settings_from_config
 
-    def placement(stage: int, param: bool):  # noqa: ANN202
+    def placement(stage: int, param: bool, clip: float = 0.0):  # noqa: ANN202
         zero: dict = {"stage": stage, "offload_optimizer": {"device": "cpu"}}
         if param:
             zero["offload_param"] = {"device": "cpu"}
         cfg = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
-               "zero_optimization": zero}  # fmt: skip
+               "gradient_clipping": clip, "zero_optimization": zero}  # fmt: skip
         p = placement_for(settings_from_config(load_config(cfg).config, world_size=1), torch.device("cpu"))
         p.masters = [torch.zeros(1) for _ in range(5)]
-        p._targets = {i: torch.zeros(1) for i in (1, 2, 3, 4)}
-        p._targets[0] = torch.zeros(1, device="meta")  # a destination on the device (persistent group)
+        p._targets = {i: torch.zeros(1) for i in range(5)}
         return p
 
     s3 = placement(3, param=True)
+    assert not any(s3._deferrable(i) for i in range(5))  # the stage has not said what it settles
+    s3.deferrable = frozenset({1, 2, 3, 4})  # (Stage3: every group but the persistent one)
     assert [s3._deferrable(i) for i in range(5)] == [False, True, True, True, True]
     assert sorted(reversed(range(5)), key=s3._priority) == [0, 1, 2, 3, 4]
     del s3._targets[2]  # first step: destination not known yet -> finished by the step
     assert sorted(reversed(range(5)), key=s3._priority)[:2] == [2, 0]
     s2 = placement(2, param=False)
-    assert not any(s2._deferrable(i) for i in range(5))
-    assert len({s2._priority(i) for i in range(5)}) == 1  # the heap keeps index order (gradient order)
-    s3.close()
-    s2.close()
+    assert len({s2._priority(i) for i in range(5)}) == 1  # nothing deferred: index order (gradient order)
+    s2.deferrable = frozenset(range(5))  # (FlatStage: every flat buffer)
+    assert sorted(range(5), key=s2._priority) == [4, 3, 2, 1, 0]  # the forward uses the last first
+    clipped = placement(2, param=False, clip=1.0)
+    clipped.deferrable = frozenset(range(5))
+    assert not clipped.may_defer and not any(clipped._deferrable(i) for i in range(5))
+    for p in (s3, s2, clipped):
+        p.close()
 
 
 def test_the_worker_steps_an_arrived_gradient_before_waiting_for_a_better_one() -> None:

@@ -127,6 +127,7 @@ def build_stage(
             device=device,
             bucket_numel=settings.buckets.reduce_bucket_size,
             placement=placement,
+            module=module,
         )
     if settings.stage == 3:
         from zerorun.runtime.stage3 import build_stage3

@@ -54,8 +54,15 @@ def _cast_inputs(value: Any, dtype: torch.dtype) -> Any:
 
 
 def _wait_params_hook(stage: Stage) -> Callable[..., None]:
-    def hook(*_: object) -> None:  # forward pre-hook (module, args); state_dict pre-hook (module, prefix, keep_vars)
+    def hook(*_: object) -> None:  # state_dict pre-hook (module, prefix, keep_vars)
         stage.wait_params()
+
+    return hook
+
+
+def _before_forward_hook(stage: Stage) -> Callable[..., None]:
+    def hook(*_: object) -> None:  # forward pre-hook (module, args)
+        stage.before_forward()
 
     return hook
 
@@ -116,11 +123,14 @@ class Engine:
                 self.reporter.timers.sources.append(source)
         configure_activation_checkpointing(settings.activation)  # unless the script called configure()
         # Stages 1-2 leave the step's all-gather of the updated parameters in flight, to overlap
-        # the next forward (stage.wait_params). The module's next forward -- train or eval,
-        # through the engine or called directly -- and its state_dict() wait for it first.
+        # the next forward (stage.wait_params); with CPU offload the write-backs themselves may
+        # still run (the stage's own hooks settle them module by module). The module's next
+        # forward -- train or eval, through the engine or called directly -- waits for what its
+        # modules' hooks do not (stage.before_forward), its state_dict() for everything.
         wait = torch._disable_dynamo(_wait_params_hook(stage), recursive=True)  # eager when compiled
+        start = torch._disable_dynamo(_before_forward_hook(stage), recursive=True)
         self._param_hooks = [
-            module.register_forward_pre_hook(wait),
+            module.register_forward_pre_hook(start),
             module.register_state_dict_pre_hook(wait),
         ]
         self._expect_backward()

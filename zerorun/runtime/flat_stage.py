@@ -15,6 +15,29 @@ root module, so the next forward (train or eval) overlaps the gather's tail as F
 before anything that reads the parameters through zerorun (state_dict, checkpoints, 16-bit
 export, GatheredParameters, destroy). The pending gathers live here only (``FlatStage._gathers``).
 
+Deferred write-backs (CPU optimizer offload whose step starts in the backward: the placement's
+``may_defer``): the step may also return before the CPU has updated every flat buffer
+(``placement.in_flight()``); the next forward then starts on the buffers it needs first while the
+CPU steps the rest. Flat buffers are in gradient order (reverse registration), so the forward
+uses them from the last to the first: buffer i's forward position is n - 1 - i. Forward
+pre-hooks settle them (``_settle_upto``: wait for the CPU update, copy up ordered into the
+stream, and -- stages 1-2 -- issue the buffer's all-gather; always every earlier pending buffer
+first, so every rank issues the gathers in the same order whichever module asks) on:
+
+* every module that stage 3 would make a group (``stage3.groups.group_modules``: by default
+  the repeated blocks of a ModuleList/Sequential), for all parameters inside it -- the hook sits
+  at the block's boundary, never inside a compiled block;
+* every other module with parameters of its own (embeddings, final norm, head), for those;
+* the root (the engine's forward pre-hook, ``before_forward``): the root's own parameters and
+  those flagged ``zero.register_external_parameter`` -- a parameter read outside the modules
+  that hold it must be registered, as at stage 3.
+
+A parameter held by several modules (tied embedding / head) is settled by the first of them
+that runs. A root forward post-hook settles whatever the forward did not use, so that after a
+forward nothing is pending; the readers (``wait_params``) settle everything. At world > 1
+settling a deferred buffer issues its all-gather: a forward (every rank runs it) or a reader
+between ``step`` and the next forward is then collective.
+
 Stage 3 (runtime/stage3/) implements the same protocol over its own parameter store.
 """
 
@@ -24,6 +47,8 @@ import weakref
 from collections.abc import Callable, Sequence
 
 import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from zerorun.runtime.collectives import Communicator, Pending
 from zerorun.runtime.flat_params import FlatParamBuffers, TrainableParam
@@ -75,6 +100,7 @@ class FlatStage:
         reducer: GradReducer,
         state: ShardedOptimizerState,
         comm: Communicator,
+        module: nn.Module | None = None,
     ) -> None:
         self.stage = stage
         self.flat = flat
@@ -85,11 +111,68 @@ class FlatStage:
         self._shard = state.shard_index
         self._own = [flat.shard(i, self._shard) for i in range(len(flat.layouts))]  # views, made once
         self._parts: list[list[int]] | None = None  # decided at the first step (needs the optimizer)
-        # The all-gather of the updated parameters, issued at the end of step() and completed by
-        # wait_params() (the next forward's pre-hook, or a reader of the parameters).
-        self._gathers: list[Pending] = []
+        # The all-gather of the updated parameters, by flat buffer, issued at the end of step()
+        # and completed by wait_params() (the next forward's pre-hooks, or a reader).
+        self._gathers: dict[int, Pending] = {}
         self.deferred_gathers = 0  # steps that returned with the gather in flight (tests)
+        # Deferred write-backs (module docstring): buffers whose CPU update may still be running,
+        # in forward order; _settle_upto settles them. _pos[i]: buffer i's forward position.
+        n = len(flat.layouts)
+        self._pos = [n - 1 - i for i in range(n)]
+        self._unsettled: list[int] = []
+        self._root_need = n  # forward position before_forward settles up to (all: no hooks)
+        self._hooks: list[RemovableHandle] = []
+        self.deferred_steps = 0  # steps that returned with write-backs in flight (tests)
+        if module is not None and n and state.placement.may_defer:
+            self._install_hooks(module)
+            state.placement.deferrable = frozenset(range(n))
         _LIVE.add(self)
+
+    def _install_hooks(self, root: nn.Module) -> None:
+        """The forward pre-hooks that settle deferred write-backs (module docstring)."""
+        from zerorun.runtime.stage3.groups import group_modules  # (stage3 imports this module)
+
+        where = {id(p): i for i, ps in enumerate(self.flat.params) for p in ps}
+
+        def need(params: list[nn.Parameter]) -> int:
+            return max((self._pos[where[id(p)]] for p in params if id(p) in where), default=-1)
+
+        blocks = [m for _path, m in group_modules(root, class_names=None, min_numel=0)]
+        inside = {id(x) for b in blocks for x in b.modules()}
+        units = [(b, list(b.parameters())) for b in blocks]
+        units += [
+            (m, list(m.parameters(recurse=False)))
+            for m in root.modules()
+            if m is not root and id(m) not in inside
+        ]
+        external = [p for p in root.parameters() if getattr(p, "_zerorun_external", False)]
+        self._root_need = need(list(root.parameters(recurse=False)) + external)
+        for m, params in units:
+            k = need(params)
+            if k > self._root_need:  # (what the root settles first needs no hook)
+                self._hooks.append(m.register_forward_pre_hook(_eager(self._settle_hook(k))))
+        self._hooks.append(root.register_forward_hook(_eager(lambda *_: self.wait_params())))
+
+    def _settle_hook(self, need: int) -> Callable[..., None]:
+        def hook(*_: object) -> None:
+            if self._unsettled or self._gathers:
+                self._settle_upto(need)
+
+        return hook
+
+    def _settle_upto(self, need: int) -> None:
+        """Every deferred write-back of forward position <= ``need`` settled, in forward order
+        (each buffer's all-gather issued right after it: the same order on every rank), then
+        the all-gathers of those buffers waited for."""
+        placement = self.state.placement
+        while self._unsettled and self._pos[self._unsettled[0]] <= need:
+            i = self._unsettled.pop(0)
+            placement.settle(i)
+            if self.stage > 0:
+                with torch.no_grad():
+                    self._gathers[i] = self.comm.all_gather(self.flat.buffers[i], self._own[i])
+        for i in [i for i in self._gathers if self._pos[i] <= need]:
+            self._gathers.pop(i).wait()
 
     @property
     def layouts(self) -> list[FlatLayout]:
@@ -126,38 +209,47 @@ class FlatStage:
                 for part in self._parts:
                     self.state.step(grad_shards, part)
                     self.state.write_back(own, part)
-                    self._gathers += [self.comm.all_gather(self.flat.buffers[i], own[i]) for i in part]
+                    for i in part:
+                        self._gathers[i] = self.comm.all_gather(self.flat.buffers[i], own[i])
         else:
             self.state.step(grad_shards)
             self._write_back()
         if self._gathers:
             self.deferred_gathers += 1
+        if self._unsettled:
+            self.deferred_steps += 1
 
     def wait_params(self) -> None:
-        """Complete the parameter all-gather left in flight by ``step``: afterwards the flat
-        buffers (and so every parameter) hold the updated values, in the caller's stream order
-        on CUDA. Cheap when nothing is pending; every rank may call it independently (the
-        collectives were issued already)."""
-        gathers, self._gathers = self._gathers, []
-        for p in gathers:
-            p.wait()
+        """Complete the write-back left in flight by ``step``: afterwards the flat buffers (and
+        so every parameter) hold the updated values, in the caller's stream order on CUDA.
+        Cheap when nothing is pending. Every rank may call it independently (the collectives
+        were issued already) -- unless write-backs were deferred (module docstring) at world
+        > 1 and no forward ran since the step: settling them issues their all-gathers."""
+        self._settle_upto(len(self._pos))
+
+    def before_forward(self) -> None:
+        """The engine's forward pre-hook on the root: what the per-module hooks do not settle
+        (everything when there are none)."""
+        self._settle_upto(self._root_need)
 
     @property
     def params_pending(self) -> bool:
-        """True while the parameter all-gather of the last step is still owed a wait."""
-        return bool(self._gathers)
+        """True while the write-back of the last step is still owed a wait."""
+        return bool(self._gathers or self._unsettled)
 
     def _write_back(self) -> None:
         """Masters -> this rank's parameter shards -> all-gather of the flat buffers (stages
-        1-2), left in ``self._gathers``."""
+        1-2), left in ``self._gathers``; the placement's deferred write-backs are left to
+        ``_settle_upto``."""
         own = self._own
         with torch.no_grad():
             self.state.write_back(own)
+            later = self.state.placement.in_flight()
+            self._unsettled = sorted(later, key=self._pos.__getitem__)
             if self.stage > 0:
-                self._gathers += [
-                    self.comm.all_gather(buf, shard)
-                    for buf, shard in zip(self.flat.buffers, own, strict=True)
-                ]
+                for i, (buf, shard) in enumerate(zip(self.flat.buffers, own, strict=True)):
+                    if i not in later:
+                        self._gathers[i] = self.comm.all_gather(buf, shard)
 
     def params_from_masters(self) -> None:
         """After a checkpoint load: masters -> the flat parameter buffers. Collective; complete
@@ -210,6 +302,9 @@ class FlatStage:
 
     def remove_hooks(self) -> None:
         self.wait_params()
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
         self.reducer.remove_hooks()
 
 
@@ -222,9 +317,11 @@ def build_flat_stage(
     device: torch.device,
     bucket_numel: int,
     placement: ShardPlacement,
+    module: nn.Module | None = None,
 ) -> FlatStage:
     """Flatten ``trainable`` into flat buffers (compute dtype), bind the parameters to them and
-    create the master shards from the original fp32 values."""
+    create the master shards from the original fp32 values. ``module``: the model, for the
+    forward pre-hooks of deferred write-backs (module docstring)."""
     if stage not in _REDUCERS:
         raise ValueError(f"build_flat_stage handles stages 0-2, not {stage}")
     num_shards = 1 if stage == 0 else comm.world_size
@@ -250,4 +347,9 @@ def build_flat_stage(
     # A reduced gradient final during backward goes to the placement at once (offload may start
     # the CPU step there; the default placement ignores it).
     reducer.on_grad_ready = lambda i: state.grad_ready(i, reducer.grad_shard(i))
-    return FlatStage(stage, flat, reducer, state, comm)
+    return FlatStage(stage, flat, reducer, state, comm, module)
+
+
+def _eager(fn: Callable[..., None]) -> Callable[..., None]:
+    """A hook that runs eagerly also when called from compiled code (as the engine's)."""
+    return torch._disable_dynamo(fn, recursive=True)

@@ -117,6 +117,30 @@ class ShardPlacement:
         optimizer states are current. Called before anything reads or replaces them."""
         return None
 
+    # Deferred write-backs (docs/architecture.md, Contract 6 "deferred write-backs"): the stage
+    # lists the flat buffers it settles before anything reads their destination; the placement
+    # may then return from ``step`` with those write-backs still in flight.
+    #: Can this placement leave write-backs in flight at all (a stage installs its settle
+    #: hooks only then)?
+    may_defer: bool = False
+    #: Set by the stage: buffers whose write-back may complete after the step returns.
+    deferrable: frozenset[int] = frozenset()
+
+    def in_flight(self) -> frozenset[int]:
+        """Buffers whose write-back the last step left in flight (a subset of ``deferrable``;
+        the same on every rank: decided from the config and the step count only)."""
+        return frozenset()
+
+    def settle(self, index: int) -> None:
+        """Buffer ``index``'s write-back complete (its destination holds the update, in the
+        caller's stream order on CUDA); training thread. Not collective; cheap when nothing is
+        pending."""
+        return None
+
+    def settle_all(self) -> None:
+        """Every deferred write-back complete (``settle`` for each)."""
+        return None
+
     def close(self) -> None:
         """Release threads/files (engine.destroy)."""
         return None

@@ -73,9 +73,16 @@ class Stage(Protocol):
 
     def wait_params(self) -> None:
         """Complete the write-back of the last ``step`` (stages 1-2 leave the all-gather of the
-        updated parameters in flight so that it overlaps the next forward). The engine calls it
-        from a forward pre-hook on the root module and before anything that reads parameters
-        (state_dict, checkpoints, 16-bit export, GatheredParameters, destroy). Not collective."""
+        updated parameters in flight so that it overlaps the next forward; with CPU offload the
+        placement may leave write-backs in flight too: ``ShardPlacement.in_flight``). The
+        engine calls it before anything that reads parameters (state_dict, checkpoints, 16-bit
+        export, GatheredParameters, destroy). Not collective -- except at stages 1-2 with
+        deferred write-backs at world > 1 before the next forward (flat_stage.py)."""
+        ...
+
+    def before_forward(self) -> None:
+        """The engine's forward pre-hook on the root module: complete what the stage's own
+        forward hooks will not (without per-module settling: ``wait_params``)."""
         ...
 
     def zero_grad(self) -> None: ...

@@ -321,14 +321,22 @@ class HostPlacement(ShardPlacement):
         order = ready_order(len(self.masters), self.opts.stage)
         return (1, len(order) - 1 - order.index(index))
 
+    @property
+    def may_defer(self) -> bool:
+        """Can a step leave write-backs in flight (``deferrable``)? When it starts in the
+        backward (no clipping, no fp16 check) and the copies up read the masters themselves
+        (CPU memory; NVMe's staging buffers are reused)."""
+        return self.opts.early_start and not self.stage_on_host
+
     def _deferrable(self, index: int) -> bool:
-        """May this buffer's write-back complete after step() returns? Only into a host shard
-        of stage 3's parameter store (whose fetch settles it first), with masters in memory,
+        """May this buffer's write-back complete after step() returns? Only where the stage
+        settles it before anything reads the destination (``deferrable``: stages 1-2 at the
+        first forward module that uses the buffer, stage 3 at its group's fetch or forward),
         once the destination is known (from the second step on)."""
-        if self.stage_on_host or getattr(self.param_store, "before_read", False) is False:
-            return False
-        target = self._targets.get(index)
-        return target is not None and target.device.type == "cpu"
+        return self.may_defer and index in self.deferrable and index in self._targets
+
+    def in_flight(self) -> frozenset[int]:
+        return frozenset(self._deferred)
 
     def _early_next(self, job: StepJob) -> None:
         """Worker: the early CPU update of the queued buffer of best priority; a deferred
@@ -481,10 +489,12 @@ class HostPlacement(ShardPlacement):
                 for i in later:
                     if i in self._failed:  # its update raised: settle() raises, not waits
                         self._deferred[i].set()
-            for i in stepped:  # stepped during the backward: copy them now, in forward order
+            # Stepped during the backward: copy them now, in forward order.
+            for i in sorted(stepped, key=self._priority):
                 self._push(i, self._targets[i], after=self._deferred_after, deferred=True)
                 self._deferred[i].set()
-            self.param_store.before_read = self.settle  # type: ignore[union-attr]
+            if self.param_store is not None and hasattr(self.param_store, "before_read"):
+                self.param_store.before_read = self.settle  # type: ignore[attr-defined]
         # In the order they were queued, which is about the order the worker finishes them
         # (pick_next), so each is copied up while the CPU steps later ones.
         for i in [i for i, _ in self._early_work if i not in deferred]:
@@ -497,10 +507,11 @@ class HostPlacement(ShardPlacement):
             self.runner.join()
 
     def settle(self, index: int) -> None:
-        """Flat buffer ``index``'s deferred write-back, complete (training thread; stage 3's
-        fetch of the shard and its host readers call it through the parameter store): wait
-        until its copy into the host shard was issued (after its CPU update), then until it
-        landed."""
+        """Flat buffer ``index``'s deferred write-back, complete (training thread: the stage
+        calls it before the buffer's first use in the next forward and before any reader;
+        stage 3's host store through ``before_read``): wait until its copy up was issued
+        (after its CPU update), then -- a host shard -- until it landed, or -- a device
+        destination -- order the caller's stream after it (no host sync)."""
         issued = self._deferred.get(index)
         if issued is None:
             return
@@ -509,7 +520,11 @@ class HostPlacement(ShardPlacement):
             self._wait_stepped(index)  # raises the worker's error
         with self._sched:
             del self._deferred[index]
-        Copier.wait(self._up_ev[index][-1])
+        target = self._targets.get(index)
+        if target is not None and target.device.type != "cpu":
+            self.copier.fence(self._up_ev[index][-1])  # one stream: the last tile's covers all
+        else:
+            Copier.wait(self._up_ev[index][-1])
         if not self._deferred:
             self._deferred_after = None
             if self.profile.pending:
@@ -525,8 +540,11 @@ class HostPlacement(ShardPlacement):
 
     def _flush_deferred(self) -> None:
         """Every deferred write-back done (before anything else touches masters or shards)."""
-        for index in sorted(self._deferred):
+        for index in sorted(self._deferred, key=self._priority):
             self.settle(index)
+
+    def settle_all(self) -> None:
+        self._flush_deferred()
 
     def _source(self, index: int) -> torch.Tensor:
         staging = self.staging[index]

@@ -137,6 +137,9 @@ class Stage3Hooks:
         # it is final for the step (accumulation boundary, collective completed): an offload
         # placement starts the CPU step there (Contract 6, ShardPlacement.grad_ready).
         self.on_grad_ready: Callable[[int, torch.Tensor], None] | None = None
+        # Called at the end of each forward (not a recomputation): the optimizer placement's
+        # write-backs the forward did not use settled (Stage3 sets it when they may be deferred).
+        self.on_forward_end: Callable[[], None] | None = None
         self.boundary = True
         self.backward_open = False
         self.launches = 0  # reduce-scatters issued (tests assert overlap)
@@ -170,6 +173,8 @@ class Stage3Hooks:
             return
         grad = torch.is_grad_enabled()
         self.schedule.end_forward(grad)
+        if self.on_forward_end is not None:
+            self.on_forward_end()
         if grad:
             # Opens the backward bookkeeping (and queues its final callback) even when no
             # group's own pre-backward hook fires, e.g. a model with only persistent parameters.

@@ -101,11 +101,9 @@ def write_group_range(g: ParamGroup, li: int, lo: int, hi: int, values: torch.Te
 
 
 def _settle(g: ParamGroup, li: int) -> None:
-    """Parameter offload: the at-rest shard's pending optimizer write-back done before it is
-    read or written here (``HostParamStore.settle``; other stores have nothing pending)."""
-    settle = getattr(g.store, "settle", None)
-    if settle is not None:
-        settle(g.layouts[li].index)
+    """The at-rest shard's pending optimizer write-back (CPU offload, step started in the
+    backward: ``ParamGroup.settle``) done before it is read or written here."""
+    g.settle(li)
 
 
 def _master(g: ParamGroup, li: int) -> torch.Tensor | None:
@@ -222,10 +220,10 @@ def _assemble(p: nn.Parameter) -> torch.Tensor:
     assert g is not None
     li, si = g.find(p)
     layout, slot = g.layouts[li], g.layouts[li].slots[si]
+    _settle(g, li)  # (a resident group's full buffer is its at-rest shard at one rank)
     if g.state != 0:
         return g.full[li][slot.offset : slot.offset + slot.numel].view(slot.shape).cpu().clone()
     out = torch.zeros(slot.numel, dtype=g.dtype, device=g.device)
-    _settle(g, li)
     start, end = layout.shard_range(g.rank)
     a, b = max(slot.offset, start), min(slot.offset + slot.numel, end)
     if a < b:

@@ -31,7 +31,7 @@ the whole buffer: nothing to gather).
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -95,6 +95,10 @@ class ParamGroup:
         self.state = RELEASED
         self.holds = 0  # GatheredParameters contexts holding the group gathered
         self.stage: Stage3 | None = None  # the Stage3 owning the group (model_io reaches the masters through it)
+        # Completes flat buffer i's write-back that the optimizer placement left in flight after
+        # the step (ShardPlacement.settle; Stage3 sets it when the placement may defer): called
+        # before the at-rest shard is read -- the gather, a resident group's forward, model_io.
+        self.before_read: Callable[[int], None] | None = None
         self._pending: list[Pending] = []
         self._fetched: list[torch.Tensor] = []
         self._placeholder = torch.empty(0, dtype=param_dtype, device=device)
@@ -143,6 +147,7 @@ class ParamGroup:
         communication stream). Returns False if the group was not released."""
         if self.state != RELEASED:
             return False
+        self.settle()
         self._fetched = []
         for layout, full, rest in zip(self.layouts, self.full, self.at_rest, strict=True):
             full.untyped_storage().resize_(full.numel() * full.element_size())
@@ -165,6 +170,8 @@ class ParamGroup:
         """Make the gathered values usable on the caller's stream and expose the parameters."""
         if self.state == RELEASED:
             self.gather_async()
+        elif self.resident:
+            self.settle()  # the parameters are the at-rest shards (one rank) or their replicas
         if self.state == GATHERING:
             for p in self._pending:
                 p.wait()
@@ -174,6 +181,13 @@ class ParamGroup:
             self._fetched = []
             self._bind()
             self.state = GATHERED
+
+    def settle(self, li: int | None = None) -> None:
+        """The at-rest shard of flat buffer ``li`` (all: None) holds the last step's update."""
+        if self.before_read is None:
+            return
+        for layout in self.layouts if li is None else [self.layouts[li]]:
+            self.before_read(layout.index)
 
     def release(self, *, force: bool = False) -> bool:
         if self.resident or self.state == RELEASED or (self.holds and not force):

@@ -50,6 +50,18 @@ class Stage3:
             (g, li) for g in self.groups for li in range(len(g.layouts))
         ]
         hooks.on_grad_ready = state.grad_ready
+        placement = state.placement
+        if placement.may_defer:
+            # The step may leave the write-backs of the partitioned groups in flight: each
+            # group's gather (or, resident, its forward) settles its shards first, the end of
+            # the forward whatever it did not use, wait_params everything. (The persistent
+            # group's replicas are all-gathered in the step: not deferrable.)
+            placement.deferrable = frozenset(
+                layout.index for g in self.groups if not g.persistent for layout in g.layouts
+            )
+            for g in self.groups:
+                g.before_read = placement.settle
+            hooks.on_forward_end = placement.settle_all
         # model_io's state_dict hooks on the module (build_stage3 installs them)
         self.io_handles: list[RemovableHandle] = []
 
@@ -101,7 +113,12 @@ class Stage3:
         self._write_back()
 
     def wait_params(self) -> None:
-        """Nothing to wait for: ``step`` completes its write-back (and the replicas' refresh)."""
+        """Write-backs the optimizer placement left in flight (CPU offload, step started in the
+        backward) completed; the rest ``step`` completes itself (and the replicas' refresh)."""
+        self.state.placement.settle_all()
+
+    def before_forward(self) -> None:
+        """Nothing: each group settles its shards when the forward gathers (or uses) it."""
         return None
 
     def zero_grad(self) -> None:
