@@ -15,7 +15,7 @@ import pytest
 from ._spawn import spawn_ranks
 
 HERE = Path(__file__).resolve().parent
-CASES = ["z1", "z2", "z3"]
+CASES = ["z1", "z2", "z3", "z2-compiled"]
 WORLDS = [1, 2]
 
 
