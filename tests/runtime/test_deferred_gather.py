@@ -14,7 +14,7 @@ import pytest
 from ._spawn import spawn_ranks
 
 HERE = Path(__file__).resolve().parent
-CASES = ["z1-bf16-pipelined", "z2-bf16-pipelined", "z2-fp32-pipelined", "z2-bf16-one-part"]
+CASES = ["z1-bf16-pipelined", "z2-bf16-pipelined", "z2-fp32-pipelined", "z2-bf16-one-part", "z2-bf16-offload"]
 CHECKS = [
     "forward",
     "eval_forward_of_the_module",

@@ -114,7 +114,7 @@ class FlatStage:
         # The all-gather of the updated parameters, by flat buffer, issued at the end of step()
         # and completed by wait_params() (the next forward's pre-hooks, or a reader).
         self._gathers: dict[int, Pending] = {}
-        self.deferred_gathers = 0  # steps that returned with the gather in flight (tests)
+        self.deferred_gathers = 0  # steps that returned with the gather (or write-backs) in flight (tests)
         # Deferred write-backs (module docstring): buffers whose CPU update may still be running,
         # in forward order; _settle_upto settles them. _pos[i]: buffer i's forward position.
         n = len(flat.layouts)
@@ -214,7 +214,7 @@ class FlatStage:
         else:
             self.state.step(grad_shards)
             self._write_back()
-        if self._gathers:
+        if self._gathers or self._unsettled:
             self.deferred_gathers += 1
         if self._unsettled:
             self.deferred_steps += 1
