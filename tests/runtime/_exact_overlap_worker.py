@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 import zerorun
 
@@ -41,10 +42,12 @@ class Block(nn.Module):
 
 
 class Net(nn.Module):
-    """Embedding, repeated blocks, a head tied to the embedding."""
+    """Embedding, repeated blocks (optionally recomputed in the backward: activation
+    checkpointing runs their forward hooks again), a head tied to the embedding."""
 
-    def __init__(self) -> None:
+    def __init__(self, recompute: bool = False) -> None:
         super().__init__()
+        self.recompute = recompute
         self.emb = nn.Embedding(VOCAB, DIM)
         self.blocks = nn.ModuleList(Block() for _ in range(BLOCKS))
         self.head = nn.Linear(DIM, VOCAB, bias=False)
@@ -53,13 +56,21 @@ class Net(nn.Module):
     def forward(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         h = self.emb(ids)
         for b in self.blocks:
-            h = b(h)
+            h = checkpoint(b, h, use_reentrant=False) if self.recompute else b(h)
         return F.cross_entropy(self.head(h).float().view(-1, VOCAB), targets.view(-1))
 
 
-# name -> (stage, blocks compiled: block.compile() with aot_eager -- the settle hooks run at the
-# compiled blocks' boundaries, eagerly)
-CASES = {"z1": (1, False), "z2": (2, False), "z3": (3, False), "z2-compiled": (2, True)}
+# name -> (stage, how the blocks run: "" plain, "compiled" -- block.compile() with aot_eager: the
+# settle hooks run at the compiled blocks' boundaries, eagerly --, "recomputed" -- activation
+# checkpointing)
+CASES = {
+    "z1": (1, ""),
+    "z2": (2, ""),
+    "z3": (3, ""),
+    "z2-compiled": (2, "compiled"),
+    "z2-recomputed": (2, "recomputed"),
+    "z3-recomputed": (3, "recomputed"),
+}
 
 
 def config(stage: int) -> dict[str, Any]:
@@ -157,14 +168,14 @@ class Hold:
 
 
 def run(name: str, rank: int) -> dict[str, Any]:
-    stage, compiled = CASES[name]
+    stage, blocks = CASES[name]
     data = batches(rank)
     losses: dict[str, list[float]] = {}
     out: dict[str, Any] = {}
     for kind in ("plain", "held"):
         torch.manual_seed(7)
-        engine, *_ = zerorun.initialize(model=Net(), config=config(stage))
-        if compiled:
+        engine, *_ = zerorun.initialize(model=Net(recompute=blocks == "recomputed"), config=config(stage))
+        if blocks == "compiled":
             for block in engine.module.blocks:
                 block.compile(backend="aot_eager")
         hold = Hold(engine) if kind == "held" else None

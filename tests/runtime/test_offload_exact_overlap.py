@@ -15,7 +15,7 @@ import pytest
 from ._spawn import spawn_ranks
 
 HERE = Path(__file__).resolve().parent
-CASES = ["z1", "z2", "z3", "z2-compiled"]
+CASES = ["z1", "z2", "z3", "z2-compiled", "z2-recomputed", "z3-recomputed"]
 WORLDS = [1, 2]
 
 
@@ -45,7 +45,7 @@ def test_next_forward_starts_while_the_cpu_steps_the_last_buffer(results: dict, 
         # From the second step on (destinations known) every step returns with write-backs in
         # flight; the first one cannot (it learns the destinations).
         assert r["returned_pending"][0] == 0 and all(n > 0 for n in r["returned_pending"][1:]), r
-        if case != "z3":
+        if not case.startswith("z3"):  # (FlatStage counts them)
             assert r["deferred_steps"] == len(r["returned_pending"]) - 1
         # Holding the worker changed nothing but the timing.
         assert r["losses"]["held"] == r["losses"]["plain"], r["losses"]
