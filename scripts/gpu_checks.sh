@@ -80,7 +80,7 @@ run eq_shared_gloo 90 env ZERORUN_BACKEND=gloo \
 #     delayed update, stage-3 parameter fetches from the host -- against the same references.
 #     World 1 on NCCL, then 2 ranks sharing the GPU over gloo (+ checkpoint resume). The NVMe
 #     cases use pytest's temp dir: TMPDIR on a local disk exercises direct I/O.
-run offload_world1_nccl 45 env ZERORUN_BACKEND=nccl \
+run offload_world1_nccl 60 env ZERORUN_BACKEND=nccl \
   "${PYTEST[@]}" tests/runtime/test_offload.py -k "w1" \
   --junitxml="$OUT/offload_world1_nccl.xml"
 run offload_shared_gloo 120 env ZERORUN_BACKEND=gloo \
@@ -88,6 +88,12 @@ run offload_shared_gloo 120 env ZERORUN_BACKEND=gloo \
   --junitxml="$OUT/offload_shared_gloo.xml"
 run offload_units 40 "${PYTEST[@]}" tests/runtime/test_offload_units.py tests/runtime/test_offload_host.py \
   --junitxml="$OUT/offload_units.xml"
+# 2b'. the exact step's deferred write-backs (issue 17): the next forward starts on the buffers it
+#      needs first while the CPU steps the rest -- the order proved with the placement's own events
+#      (world 1 on the GPU, and 2 ranks sharing it over gloo: stages 1-2 there defer nothing).
+run exact_overlap 120 env ZERORUN_BACKEND=gloo \
+  "${PYTEST[@]}" tests/runtime/test_offload_exact_overlap.py tests/runtime/test_deferred_gather.py \
+  --junitxml="$OUT/exact_overlap.xml"
 # 2c. ZenFlow against its reference (world 1 and 2 ranks sharing the GPU, a checkpoint saved
 #     mid-interval) and wall_clock_breakdown's offload sub-phases (copy-stream timing events).
 run zenflow_breakdown 150 env ZERORUN_BACKEND=gloo \

@@ -145,6 +145,8 @@ class Hold:
     def arm(self) -> None:
         """Hold the worker from this step's backward on (the destinations are known)."""
         pl = self.pl
+        if not pl.deferrable:  # (stages 1-2 at world > 1 defer nothing: nothing to hold)
+            return
         self.last = max(pl.deferrable, key=pl._priority)  # the buffer the next forward uses last
         self.queued = 0
         self.in_step = False

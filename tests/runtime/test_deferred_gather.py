@@ -19,6 +19,7 @@ CHECKS = [
     "forward",
     "eval_forward_of_the_module",
     "state_dict",
+    "state_dict_on_rank0_only",
     "gathered_parameters",
     "save_16bit_model",
     "save_checkpoint",

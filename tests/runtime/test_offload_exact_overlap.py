@@ -35,6 +35,12 @@ def test_next_forward_starts_while_the_cpu_steps_the_last_buffer(results: dict, 
     for rank, r in enumerate(results[world][case]):
         assert "error" not in r, r.get("error")
         assert r["timeouts"] == [], (rank, r["timeouts"])
+        if world > 1 and not case.startswith("z3"):
+            # Stages 1-2 at world > 1 settle every buffer in the step (flat_stage.py: a reader on
+            # one rank alone must not have to issue an all-gather): nothing deferred, same losses.
+            assert r["deferrable"] == [] and r["returned_pending"] == [0] * len(r["returned_pending"]), r
+            assert r["losses"]["held"] == r["losses"]["plain"], r["losses"]
+            continue
         assert len(r["deferrable"]) >= 3, r["deferrable"]
         # The held update of the buffer the forward needs last started only after step() ...
         assert r["last_update_started_after_step"] is True

@@ -34,9 +34,11 @@ first, so every rank issues the gathers in the same order whichever module asks)
 
 A parameter held by several modules (tied embedding / head) is settled by the first of them
 that runs. A root forward post-hook settles whatever the forward did not use, so that after a
-forward nothing is pending; the readers (``wait_params``) settle everything. At world > 1
-settling a deferred buffer issues its all-gather: a forward (every rank runs it) or a reader
-between ``step`` and the next forward is then collective.
+forward nothing is pending; the readers (``wait_params``) settle everything. Write-backs are
+deferred only where settling one is local (stage 0, or one rank): at stages 1-2 with several
+ranks settling a buffer would issue its all-gather, which every rank must issue, and a reader on
+one rank alone (``if rank == 0: model.state_dict()``) between the step and the next forward
+would hang; there the step settles everything and issues every gather before it returns.
 
 Stage 3 (runtime/stage3/) implements the same protocol over its own parameter store.
 """
@@ -123,7 +125,12 @@ class FlatStage:
         self._root_need = n  # forward position before_forward settles up to (all: no hooks)
         self._hooks: list[RemovableHandle] = []
         self.deferred_steps = 0  # steps that returned with write-backs in flight (tests)
-        if module is not None and n and state.placement.may_defer:
+        # Only where settling issues no collective (stage 0, one rank): at world > 1 a buffer's
+        # all-gather could then only be issued when settled, and a rank-local reader between
+        # step() and the next forward (`if rank == 0: model.state_dict()`, an eval forward on
+        # rank 0) would issue it on one rank alone and hang. There the step settles every
+        # buffer and issues all the gathers itself, as without offload.
+        if module is not None and n and state.placement.may_defer and (stage == 0 or comm.world_size == 1):
             self._install_hooks(module)
             state.placement.deferrable = frozenset(range(n))
         _LIVE.add(self)
