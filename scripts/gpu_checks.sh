@@ -92,7 +92,7 @@ run offload_units 40 "${PYTEST[@]}" tests/runtime/test_offload_units.py tests/ru
 #      needs first while the CPU steps the rest -- the order proved with the placement's own events
 #      (world 1 on the GPU, and 2 ranks sharing it over gloo: stages 1-2 there defer nothing).
 run exact_overlap 120 env ZERORUN_BACKEND=gloo \
-  "${PYTEST[@]}" tests/runtime/test_offload_exact_overlap.py tests/runtime/test_deferred_gather.py \
+  "${PYTEST[@]}" tests/runtime/test_offload_exact_overlap.py \
   --junitxml="$OUT/exact_overlap.xml"
 # 2c. ZenFlow against its reference (world 1 and 2 ranks sharing the GPU, a checkpoint saved
 #     mid-interval) and wall_clock_breakdown's offload sub-phases (copy-stream timing events).
