@@ -80,7 +80,7 @@ run eq_shared_gloo 90 env ZERORUN_BACKEND=gloo \
 #     delayed update, stage-3 parameter fetches from the host -- against the same references.
 #     World 1 on NCCL, then 2 ranks sharing the GPU over gloo (+ checkpoint resume). The NVMe
 #     cases use pytest's temp dir: TMPDIR on a local disk exercises direct I/O.
-run offload_world1_nccl 60 env ZERORUN_BACKEND=nccl \
+run offload_world1_nccl 90 env ZERORUN_BACKEND=nccl \
   "${PYTEST[@]}" tests/runtime/test_offload.py -k "w1" \
   --junitxml="$OUT/offload_world1_nccl.xml"
 run offload_shared_gloo 120 env ZERORUN_BACKEND=gloo \
@@ -94,6 +94,8 @@ run offload_units 40 "${PYTEST[@]}" tests/runtime/test_offload_units.py tests/ru
 run exact_overlap 120 env ZERORUN_BACKEND=gloo \
   "${PYTEST[@]}" tests/runtime/test_offload_exact_overlap.py \
   --junitxml="$OUT/exact_overlap.xml"
+run s3_persistent 60 env ZERORUN_BACKEND=gloo \
+  "${PYTEST[@]}" tests/runtime/test_offload_s3_persistent.py --junitxml="$OUT/s3_persistent.xml"
 # 2c. ZenFlow against its reference (world 1 and 2 ranks sharing the GPU, a checkpoint saved
 #     mid-interval) and wall_clock_breakdown's offload sub-phases (copy-stream timing events).
 run zenflow_breakdown 150 env ZERORUN_BACKEND=gloo \
