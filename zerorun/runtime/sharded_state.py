@@ -120,9 +120,12 @@ class ShardPlacement:
     # Deferred write-backs (docs/architecture.md, Contract 6 "deferred write-backs"): the stage
     # lists the flat buffers it settles before anything reads their destination; the placement
     # may then return from ``step`` with those write-backs still in flight.
-    #: Can this placement leave write-backs in flight at all (a stage installs its settle
-    #: hooks only then)?
-    may_defer: bool = False
+    @property
+    def may_defer(self) -> bool:
+        """Can this placement leave write-backs in flight at all (a stage installs its settle
+        hooks only then)?"""
+        return False
+
     #: Set by the stage: buffers whose write-back may complete after the step returns.
     deferrable: frozenset[int] = frozenset()
     #: Set by the stage (optional): the deferrable buffers in the order the next forward first
