@@ -420,12 +420,12 @@ def check_offload_cpu_step_failure_raises_instead_of_hanging() -> None:
         assert placement._deferred, "no deferred write-back: the case is not exercised"
         update = placement._update
 
-        def failing(job, *, push, indices=None, placement=placement, update=update, late=late, **kw):  # noqa: ANN001, ANN003, ANN202
+        def failing(job, *, push, indices=None, placement=placement, update=update, late=late):  # noqa: ANN001, ANN202
             if indices is not None and placement._deferrable(indices[0]):
                 while late and placement._early is not None:  # after the backward ended
                     time.sleep(0.001)
                 raise RuntimeError("injected CPU step failure")
-            return update(job, push=push, indices=indices, **kw)
+            return update(job, push=push, indices=indices)
 
         placement._update = failing
         got: list[str] = []
