@@ -341,34 +341,21 @@ class HostPlacement(ShardPlacement):
         return frozenset(self._deferred)
 
     def _early_next(self, job: StepJob) -> None:
-        """Worker: the early CPU update of the queued buffer of best priority. A deferred
-        write-back (the forward may be waiting for it) is issued with it: tile by tile as each
-        tile is updated when the step had already returned (only the last tile's copy is left
-        when the update ends), else right after it, or -- updated before the step returned --
-        by _finish_early."""
+        """Worker: the early CPU update of the queued buffer of best priority; a deferred
+        write-back is issued right after it (the forward may be waiting for it)."""
         with self._sched:
             entry = pick_next(self._queue, self._arrived)
             self._queue.remove(entry)
             index = entry[2]
-            issued = self._deferred.get(index)
+        issued: threading.Event | None = None
         try:
+            self._update(job, push=False, indices=[index])
+            with self._sched:
+                issued = self._deferred.get(index)
+                if issued is None and self._deferrable(index):
+                    self._unpushed.add(index)  # _finish_early copies it
             if issued is not None:
-                target, after = self._targets[index], self._deferred_after
-                self._update(
-                    job,
-                    push=False,
-                    indices=[index],
-                    on_tile=lambda i, k: self._push_tile(i, k, target, after),
-                )
-                self._fresh[index] = False
-            else:
-                self._update(job, push=False, indices=[index])
-                with self._sched:
-                    issued = self._deferred.get(index)
-                    if issued is None and self._deferrable(index):
-                        self._unpushed.add(index)  # _finish_early copies it
-                if issued is not None:
-                    self._push(index, self._targets[index], after=self._deferred_after, deferred=True)
+                self._push(index, self._targets[index], after=self._deferred_after, deferred=True)
         except BaseException as e:
             self._worker_error = e
             with self._sched:
@@ -583,11 +570,6 @@ class HostPlacement(ShardPlacement):
                 self._last_up = ev
         self._fresh[index] = False
 
-    def _push_tile(self, index: int, k: int, dst: torch.Tensor, after: Event) -> None:
-        """Tile ``k`` of buffer ``index``'s update into ``dst`` (a deferred write-back, worker)."""
-        a, b = self.tiles[index][k]
-        self._up_ev[index][k] = self.copier.to_device(dst.reshape(-1)[a:b], self._source(index)[a:b], after)
-
     def write_back(self, index: int, master: torch.Tensor, dst: torch.Tensor) -> None:
         if self.on_device[index]:
             if master.data_ptr() != dst.data_ptr():
@@ -712,17 +694,10 @@ class HostPlacement(ShardPlacement):
         return job
 
     def _update(
-        self,
-        job: StepJob,
-        *,
-        push: bool,
-        indices: list[int] | None = None,
-        window: CopyWindow | None = None,
-        on_tile: Callable[[int, int], None] | None = None,
+        self, job: StepJob, *, push: bool, indices: list[int] | None = None, window: CopyWindow | None = None
     ) -> None:
         """Worker thread: the optimizer step of the masters ``indices`` (all by default), then
-        staging (+ H2D when ``push``; the delayed update: ``window`` is told each tile done;
-        ``on_tile(i, k)`` after each tile: a deferred write-back's copy)."""
+        staging (+ H2D when ``push``; the delayed update: ``window`` is told each tile done)."""
         with torch.no_grad():
             if not job.tiled:
                 for row in self._grad_ev + self._up_ev:
@@ -758,8 +733,6 @@ class HostPlacement(ShardPlacement):
                 self._stage_tile(t.i, t.k, t.a, t.b, t.param, push)
                 if window is not None:
                     window.tile_done(t.i, t.k)
-                if on_tile is not None:
-                    on_tile(t.i, t.k)
                 t4 = clock()
                 self.profile.add("io_wait_s", t1 - t0)  # NVMe: waiting for the tile read (in memory: ~0)
                 self.profile.add("gradient_wait_s", t2 - t1)
