@@ -99,7 +99,7 @@ def run(held: bool) -> dict[str, Any]:
     if held:
         pl._early_next = held_early_next
     for step, (ids, tgt) in enumerate(batches()):
-        loss = engine(ids.to(engine.device), tgt.to(engine.device))
+        loss = engine(ids, tgt)
         out["losses"].append(loss.item())
         arm["on"] = held and step == HELD_STEP
         engine.backward(loss)
