@@ -76,8 +76,8 @@ class Stage(Protocol):
         updated parameters in flight so that it overlaps the next forward; with CPU offload the
         placement may leave write-backs in flight too: ``ShardPlacement.in_flight``). The
         engine calls it before anything that reads parameters (state_dict, checkpoints, 16-bit
-        export, GatheredParameters, destroy). Not collective -- except at stages 1-2 with
-        deferred write-backs at world > 1 before the next forward (flat_stage.py)."""
+        export, GatheredParameters, destroy). Not collective: a rank may call it alone (stages 1-2
+        defer write-backs only at one rank, flat_stage.py)."""
         ...
 
     def before_forward(self) -> None:
