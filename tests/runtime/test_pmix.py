@@ -15,28 +15,33 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 
-# Each rank: what the PMIx server says, and the torchrun variables the shim would export.
+# Each rank: what the PMIx server says, and the torchrun variables the shim would export -- into a
+# file of its own (mpirun forwards both ranks' stdout through one pipe, where a long line of one
+# rank can be cut by the other's).
 _PROBE = """
 import json, os
 from zerorun.runtime import pmix, world
 job = pmix.job()
-print("PROBE " + json.dumps({"env_rank": os.environ["PMIX_RANK"], "job": job.__dict__ if job else None,
-                             "torchrun": world.torchrun_env(os.environ)}), flush=True)
+probe = {"env_rank": os.environ["PMIX_RANK"], "job": job.__dict__ if job else None,
+         "torchrun": world.torchrun_env(os.environ)}
+with open(os.path.join(os.environ["ZR_PROBE_DIR"], "rank-" + os.environ["PMIX_RANK"] + ".json"), "w") as f:
+    json.dump(probe, f)
 """
 
 
 @pytest.mark.skipif(shutil.which("mpirun") is None, reason="needs Open MPI's mpirun (scripts/bootstrap.sh --system)")
-def test_pmix_server_answers_under_mpirun() -> None:
-    argv = ["mpirun", "-np", "2", "--oversubscribe", "--bind-to", "none"]
+def test_pmix_server_answers_under_mpirun(tmp_path: Path) -> None:
+    argv = ["mpirun", "-np", "2", "--oversubscribe", "--bind-to", "none", "-x", "ZR_PROBE_DIR"]
     if os.geteuid() == 0:
         argv.append("--allow-run-as-root")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     env = {k: v for k, v in env.items() if not k.startswith(("MASTER_", "RANK", "WORLD_SIZE", "LOCAL_"))}
+    env["ZR_PROBE_DIR"] = str(tmp_path)
     proc = subprocess.run([*argv, sys.executable, "-c", _PROBE], capture_output=True, text=True, env=env, timeout=60)
     # Exit 0: every rank finalized PMIx (Open MPI fails a job whose process exits initialized).
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    probes = [json.loads(line[6:]) for line in proc.stdout.splitlines() if line.startswith("PROBE ")]
-    assert len(probes) == 2, proc.stdout
+    probes = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("rank-*.json"))]
+    assert len(probes) == 2, (proc.stdout, proc.stderr)
     by_rank = {int(p["env_rank"]): p for p in probes}
     for rank, p in by_rank.items():
         job = p["job"]
