@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Idempotent set-up: a virtual environment in .venv with CPU-or-CUDA torch and zerorun installed.
 # `--system` also installs what the multi-node tests need (openssh-server, iproute2, Slurm's
-# slurmctld/slurmd/slurm-client, munge and openmpi-bin; root only).
+# slurmctld/slurmd/slurm-client, munge and openmpi-bin; root only) and a C compiler (gcc).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -10,6 +10,8 @@ if [[ "${1:-}" == "--system" ]]; then
   [[ -x /usr/sbin/sshd ]] || need+=(openssh-server)
   command -v ip >/dev/null || need+=(iproute2)
   command -v ssh-keygen >/dev/null || need+=(openssh-client)
+  # A C compiler with OpenMP for the one-pass CPU Adam kernel (runtime/offload/cpu_kernel.py).
+  command -v cc >/dev/null || need+=(gcc libc6-dev)
   # A real Slurm and Open MPI for the cluster tests (daemons started by the tests themselves).
   for pkg in slurmctld slurmd slurm-client munge openmpi-bin; do
     dpkg -s "$pkg" >/dev/null 2>&1 || need+=("$pkg")

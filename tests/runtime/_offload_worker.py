@@ -189,6 +189,8 @@ def run_case(case: oc.OCase, rank: int, world: int, nvme_dir: str) -> dict | Non
         "in_flight": in_flight,
         "placement": type(placement).__name__,
         "max_tiles": max((len(t) for t in getattr(placement, "tiles", [])), default=0),
+        # bf16 gradients on the wire (options.narrow_grads + cpu_kernel): the dtype the copies fill
+        "wire_dtypes": sorted({str(w.dtype) for w in getattr(placement, "wire", []) if w.numel()}),
         "delayed_steps": getattr(placement, "delayed_steps", 0),
         "early_steps": getattr(placement, "early_steps", 0),
         "queued_in_backward": queued,

@@ -19,6 +19,8 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
+from zerorun.runtime.offload import cpu_kernel
+
 __all__ = ["AdamHyper", "supports_tiles", "hyper_of", "ensure_state", "adam_tile"]
 
 
@@ -85,7 +87,29 @@ def adam_tile(
     h: AdamHyper,
 ) -> None:
     """One Adam(W) update of a tile in place. ``step`` is the master's step counter, already
-    incremented for this step (the fused kernel reads it for the bias correction)."""
+    incremented for this step (the fused kernel reads it for the bias correction). A bf16
+    gradient (``options.narrow_grads``) is widened inside cpu_kernel's one-pass kernel; where
+    that cannot run (AMSGrad, no compiler) it is widened first."""
+    if g.dtype != p.dtype:
+        kernel = cpu_kernel.load() if g.dtype == torch.bfloat16 and p.dtype == torch.float32 else None
+        if kernel is not None and not h.amsgrad and p.device.type == "cpu":
+            kernel.step(
+                p,
+                g,
+                exp_avg,
+                exp_avg_sq,
+                step=float(step.item()),
+                lr=h.lr,
+                beta1=h.beta1,
+                beta2=h.beta2,
+                eps=h.eps,
+                weight_decay=h.weight_decay,
+                decoupled=h.decoupled,
+                maximize=h.maximize,
+                threads=torch.get_num_threads(),
+            )
+            return
+        g = g.to(p.dtype)
     fn = torch._fused_adamw_ if h.decoupled else torch._fused_adam_
     fn(
         [p],

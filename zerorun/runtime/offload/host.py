@@ -203,6 +203,10 @@ class Copier:
                     tmp = torch.empty(src.shape, dtype=src.dtype, device=dst.device)
                     tmp.copy_(src, non_blocking=True)
                     dst.copy_(tmp)
+                elif dst.dtype != src.dtype:
+                    # Device -> host with a cast (a bf16 gradient, options.narrow_grads): cast on
+                    # the GPU, move the narrow bytes.
+                    dst.copy_(src.to(dst.dtype), non_blocking=True)
                 else:
                     dst.copy_(src, non_blocking=True)
             done = self._end(direction, begin, stream)

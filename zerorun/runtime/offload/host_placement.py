@@ -96,6 +96,9 @@ class HostPlacement(ShardPlacement):
     stage_on_host = True
     # Twin-Flow: may some masters and states stay on the device (offload_optimizer.ratio < 1)?
     partial_ok = False
+    # May the host take bf16 gradients when they are exact (options.narrow_grads)? Only where
+    # the tile loop (adam_tile) is the only reader of the host gradients.
+    narrow_ok = True
 
     def __init__(self, opts: OffloadOptions, device: torch.device) -> None:
         self.opts = opts
@@ -111,7 +114,12 @@ class HostPlacement(ShardPlacement):
         self.runner = StepRunner(opts.step_threads(), device)
         self.delay = DelayPolicy(opts.delayed_update, opts.delayed_warmup)
         self.masters: list[torch.Tensor] = []
-        self.grads: list[torch.Tensor] = []  # fp32 gradient shards on the host (D2H targets)
+        self.grads: list[torch.Tensor] = []  # fp32 gradient shards on the host (masters' .grad)
+        # What the copies down fill and the tile loop reads: the fp32 shard, or -- narrow_grads,
+        # the one-pass kernel available -- a bf16 view of its first half (2 bytes per element
+        # down and read instead of 4; a non-Adam optimizer widens it into the shard first).
+        self.wire: list[torch.Tensor] = []
+        self.narrow = opts.narrow_grads and self.narrow_ok and self._kernel_ready()
         self.staging: list[torch.Tensor | None] = []  # updated shards, parameter dtype (H2D sources)
         self.tiles: list[list[tuple[int, int]]] = []
         self.on_device: list[bool] = []  # Twin-Flow: this master and its states on the device
@@ -162,6 +170,18 @@ class HostPlacement(ShardPlacement):
         self._copied: set[int] = set()
         self.overlapped_buffers = 0  # buffers copied during the backward (tests, docs)
         self._copy_thread: ThreadPoolExecutor | None = None  # queues the window's copies
+
+    @staticmethod
+    def _kernel_ready() -> bool:
+        from zerorun.runtime.offload import cpu_kernel
+
+        if cpu_kernel.load() is not None:
+            return True
+        warn_once(
+            "the one-pass CPU Adam kernel (runtime/offload/cpu_kernel.py) could not be built here (no C compiler, "
+            "or ZERORUN_CPU_KERNEL=0): the host takes fp32 gradients, 4 bytes per element instead of 2"
+        )
+        return False
 
     # -- storage (subclasses) -----------------------------------------------------------------
     def _new_master(self, index: int, numel: int, fp32_init: Callable[[], torch.Tensor]) -> torch.Tensor:
@@ -222,7 +242,9 @@ class HostPlacement(ShardPlacement):
                 staging.copy_(master)
         parts = tiles(n, self._tile_size())
         self.masters.append(master)
-        self.grads.append(host_empty(n, torch.float32, pin=self.pin, lasting=True))
+        grads = host_empty(n, torch.float32, pin=self.pin, lasting=True)
+        self.grads.append(grads)
+        self.wire.append(grads.view(torch.bfloat16)[:n] if self.narrow else grads)
         self.staging.append(staging)
         self.tiles.append(parts)
         self._grad_ev.append([None] * len(parts))
@@ -241,6 +263,7 @@ class HostPlacement(ShardPlacement):
             master = fp32_init().to(self.device, torch.float32, copy=True)
         self.masters.append(master)
         self.grads.append(torch.empty(0))
+        self.wire.append(self.grads[-1])
         self.staging.append(None)
         self.tiles.append([])
         self._grad_ev.append([])
@@ -378,7 +401,7 @@ class HostPlacement(ShardPlacement):
             raise error
 
     def _copy_down(self, index: int, grad_shard: torch.Tensor) -> None:
-        host = self.grads[index]
+        host = self.wire[index]
         src = grad_shard.reshape(-1)
         self._grad_ev[index] = [self.copier.to_host(host[a:b], src[a:b], self._ready) for a, b in self.tiles[index]]
         self._last_down = self._grad_ev[index][-1]
@@ -418,7 +441,7 @@ class HostPlacement(ShardPlacement):
         a, b = self.tiles[index][k]
         src = grad_shard.reshape(-1)
         self._grad_ev[index][k] = self._last_down = self.copier.to_host(
-            self.grads[index][a:b], src[a:b], event
+            self.wire[index][a:b], src[a:b], event
         )
         target = self._targets.get(index)
         if self.param_store is None and target is not None:  # (stage 3 host shards: at the step)
@@ -697,6 +720,9 @@ class HostPlacement(ShardPlacement):
                 for row in self._grad_ev + self._up_ev:
                     for ev in row:
                         Copier.wait(ev)
+                for i in self._host:
+                    if self.wire[i].dtype != self.grads[i].dtype:  # (a copy: the wire is in the shard)
+                        self.grads[i].copy_(self.wire[i].clone())
                 job.optimizer.step()  # masters' .grad are the host gradients (state.step set them)
                 for i in self._host:  # (Twin-Flow masters on the device were stepped too)
                     m = self.masters[i]
@@ -716,7 +742,7 @@ class HostPlacement(ShardPlacement):
                 if h is not None and state is not None:
                     adam_tile(
                         t.param,
-                        self.grads[t.i][t.a : t.b],
+                        self.wire[t.i][t.a : t.b],
                         t.exp_avg,
                         t.exp_avg_sq,
                         t.max_exp_avg_sq,

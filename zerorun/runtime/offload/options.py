@@ -8,9 +8,11 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, fields
 
+import torch
+
 from zerorun.runtime.settings import OffloadSettings, RuntimeSettings
 
-__all__ = ["OffloadOptions", "options_from_settings", "cores_per_rank", "PIPELINE_TILE"]
+__all__ = ["OffloadOptions", "options_from_settings", "grads_are_bf16", "cores_per_rank", "PIPELINE_TILE"]
 
 # Elements per tile of the CPU pipeline (D2H of gradients | CPU step | H2D of parameters): small
 # enough that the first copy and the last one are short next to the step (16M fp32 = 64 MB),
@@ -26,6 +28,13 @@ class OffloadOptions(OffloadSettings):
     # The step needs no global norm (no clipping, no fp16 overflow check): a flat buffer's CPU
     # step may start during backward, as soon as its reduced gradient is final.
     early_start: bool
+    # The reduced gradient shards hold bf16 values exactly (runtime/offload/cpu_kernel.py): the
+    # host may take them as bf16 (2 bytes down instead of 4) and step them with the kernel that
+    # widens in the same pass. True when the reduction itself is in bf16
+    # (communication_data_type), or for bf16 training with fp32 reductions on one rank, one
+    # micro-step per step and no clipping -- each element is then one bf16 gradient widened by
+    # a copy (no sum, no scaling: grad_reduce.py and stage3/param_group.py at one rank).
+    narrow_grads: bool = False
 
     @property
     def cpu_tile(self) -> int:
@@ -61,6 +70,23 @@ def cores_per_rank() -> int:
     return max(1, cores // max(local, 1))
 
 
+def grads_are_bf16(settings: RuntimeSettings) -> bool:
+    """Does every reduced gradient element hold a bf16 value exactly (``narrow_grads``)?"""
+    policy, batch = settings.precision.policy, settings.batch
+    if settings.precision.fp16:
+        return False
+    if policy.reduce_dtype == torch.bfloat16:
+        return True
+    world = batch.train_batch // max(1, batch.micro_batch * batch.grad_accum)
+    return (
+        policy.param_dtype == torch.bfloat16
+        and policy.reduce_dtype == torch.float32
+        and world == 1
+        and batch.grad_accum == 1
+        and not settings.optimizer.gradient_clipping > 0
+    )
+
+
 def options_from_settings(settings: RuntimeSettings) -> OffloadOptions:
     """The devices already read ``none`` where the stage ignores them, and ``nvme_path`` is set
     for an ``nvme`` device: ``config/rules.py`` decided both when the config was loaded."""
@@ -68,4 +94,5 @@ def options_from_settings(settings: RuntimeSettings) -> OffloadOptions:
         **{f.name: getattr(settings.offload, f.name) for f in fields(OffloadSettings)},
         stage=settings.stage,
         early_start=not settings.optimizer.gradient_clipping > 0 and not settings.precision.fp16,
+        narrow_grads=grads_are_bf16(settings),
     )

@@ -85,6 +85,7 @@ def select_mask(grad: torch.Tensor, pieces: Sequence[Piece], topk_ratio: float) 
 class ZenFlowPlacement(CpuPlacement):
     name = "zenflow"
     partial_ok = False
+    narrow_ok = False  # the host takes interval sums (fp32), not one step's gradient
 
     def __init__(self, opts: Any, device: torch.device) -> None:
         super().__init__(opts, device)

@@ -1,0 +1,132 @@
+"""bf16 gradients on the host (options.narrow_grads) and the one-pass CPU Adam kernel that widens
+them (runtime/offload/cpu_kernel.py): the kernel against torch's fused CPU Adam(W), the rule that
+decides when a gradient is exactly bf16, and whole offloaded runs with and without the kernel."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from zerorun.config import load_config
+from zerorun.runtime.offload import cpu_kernel
+from zerorun.runtime.offload.options import grads_are_bf16
+from zerorun.runtime.settings import settings_from_config
+
+from ._spawn import spawn_ranks
+
+HERE = Path(__file__).resolve().parent
+
+
+def _kernel() -> cpu_kernel.AdamKernel:
+    cpu_kernel.reset()
+    k = cpu_kernel.load()
+    if k is None:
+        if os.environ.get("CI"):
+            pytest.fail("the CPU Adam kernel did not build: scripts/bootstrap.sh --system installs gcc")
+        pytest.skip("no C compiler here")
+    return k
+
+
+def _torch_step(p, g, m, v, step, decoupled, maximize, wd):  # noqa: ANN001, ANN202
+    fn = torch._fused_adamw_ if decoupled else torch._fused_adam_
+    fn([p], [g.float()], [m], [v], [], [torch.tensor(float(step))], amsgrad=False, lr=1e-3, beta1=0.9,
+       beta2=0.999, weight_decay=wd, eps=1e-8, maximize=maximize, grad_scale=None, found_inf=None)
+
+
+@pytest.mark.parametrize("decoupled", [True, False], ids=["adamw", "adam"])
+@pytest.mark.parametrize("maximize", [False, True], ids=["min", "max"])
+@pytest.mark.parametrize("wd", [0.0, 0.1])
+@pytest.mark.parametrize("step", [1, 1000])
+def test_kernel_is_torchs_fused_adam_bit_for_bit(decoupled: bool, maximize: bool, wd: float, step: int) -> None:
+    """Same operation order as torch's fused CPU kernel: bitwise equal on the elements of its
+    vector loop (n a multiple of 64), at most one ulp on its scalar tail (odd n)."""
+    k = _kernel()
+    for n, exact in ((1 << 16, True), ((1 << 16) + 13, False)):
+        torch.manual_seed(n + step)
+        p, g = torch.randn(n), torch.randn(n).bfloat16()
+        m, v = torch.randn(n) * 0.1, torch.rand(n) * 0.01
+        a, b = [t.clone() for t in (p, m, v)], [t.clone() for t in (p, m, v)]
+        k.step(a[0], g, a[1], a[2], step=float(step), lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
+               weight_decay=wd, decoupled=decoupled, maximize=maximize, threads=2)
+        _torch_step(b[0], g, b[1], b[2], step, decoupled, maximize, wd)
+        for x, y in zip(a, b, strict=True):
+            if exact:
+                assert torch.equal(x, y)
+            else:
+                ulp = torch.finfo(torch.float32).eps * y.abs().clamp_min(1e-30)
+                assert ((x - y).abs() <= ulp).all() and (x != y).sum() <= 13
+
+
+def test_kernel_rejects_wrong_tensors() -> None:
+    k = _kernel()
+    p = torch.zeros(8)
+    with pytest.raises(ValueError, match="bfloat16"):
+        k.step(p, torch.zeros(8), p.clone(), p.clone(), step=1.0, lr=1.0, beta1=0.9, beta2=0.9, eps=1e-8,
+               weight_decay=0.0, decoupled=True, maximize=False, threads=1)
+
+
+def test_disabled_kernel_is_none(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ZERORUN_CPU_KERNEL", "0")
+    cpu_kernel.reset()
+    assert cpu_kernel.load() is None
+    monkeypatch.delenv("ZERORUN_CPU_KERNEL")
+    cpu_kernel.reset()
+
+
+def test_cache_dir_that_cannot_be_written_means_no_kernel(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("ZERORUN_CACHE_DIR", str(tmp_path / "file"))  # a file: no directory under it
+    cpu_kernel.reset()
+    cpu_kernel._loaded.clear()
+    assert cpu_kernel.load() is None
+    monkeypatch.delenv("ZERORUN_CACHE_DIR")
+    cpu_kernel.reset()
+    cpu_kernel._loaded.clear()
+
+
+@pytest.mark.parametrize(
+    ("cfg", "world", "expect"),
+    [
+        ({"bf16": {"enabled": True}}, 1, True),  # one rank, one micro-step, no clipping
+        ({"bf16": {"enabled": True}, "gradient_clipping": 1.0}, 1, False),  # clipped: scaled
+        ({"bf16": {"enabled": True}, "gradient_accumulation_steps": 2}, 1, False),  # a sum
+        ({"bf16": {"enabled": True}}, 2, False),  # the reduction sums ranks
+        ({"bf16": {"enabled": True}, "communication_data_type": "bf16"}, 2, True),  # reduced in bf16
+        ({"bf16": {"enabled": True}, "communication_data_type": "bf16", "gradient_clipping": 1.0}, 4, True),
+        ({}, 1, False),  # fp32 training
+        ({"fp16": {"enabled": True}}, 1, False),
+    ],
+)
+def test_which_gradients_are_exactly_bf16(cfg: dict, world: int, expect: bool) -> None:
+    base = {"train_micro_batch_size_per_gpu": 1, "gradient_clipping": 0.0,
+            "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+    settings = settings_from_config(load_config({**base, **cfg}).config, world_size=world)
+    assert grads_are_bf16(settings) is expect
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    out = tmp_path_factory.mktemp("narrow") / "narrow.json"
+    spawn_ranks(HERE / "_narrow_worker.py", 1, [str(out)], deadline_s=240)
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["z1-bf16-ga1-clip0-opt-cpu-wide", "z2-bf16-ga1-clip0-opt-cpu-wide", "z2-bf16-ga1-clip0-opt-cpu-adam_l2-wide",
+     "z2-bf16-ga1-clip0-opt-cpu-sgd-wide", "z3-bf16-ga1-clip0-opt-cpu-wide",
+     "z3-bf16-ga1-clip0-opt-cpu-param-cpu-wide", "z2-bf16-ga1-clip0-opt-cpu-dpu1-wide"],
+)
+def test_bf16_wire_trains_as_the_fp32_wire(runs: dict, name: str) -> None:
+    """The same run with bf16 gradients on the wire (the kernel) and with fp32 ones (torch's
+    kernel): the gradient is the same number either way and the kernels compute alike, so
+    losses and masters are bitwise equal (the tiles here are 1024 elements: no scalar tail)."""
+    _kernel()
+    r = runs[name]
+    assert r["wire"] == [["torch.bfloat16"], ["torch.float32"]], r["wire"]
+    assert r["losses"][0] == r["losses"][1]
+    assert r["bitwise"], r["master_diff"]

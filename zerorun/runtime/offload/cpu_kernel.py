@@ -1,0 +1,196 @@
+"""A one-pass CPU Adam(W) kernel that reads a 16-bit gradient (docs/offload.md, "Bytes per element").
+
+torch's fused CPU Adam kernel needs the gradient in the master's dtype (fp32), so the host
+gradient buffer is fp32: the copy down writes 4 bytes per element into host memory and the step
+reads them back. When the fp32 gradient holds single bf16 values exactly (one rank, one
+micro-step, no clipping: ``options.narrow_grads``), 2 bytes carry the same number. This kernel
+reads that bf16 gradient, widens it in registers and updates master, m and v in the same pass:
+26 bytes of host memory per element instead of 28, plus 2 instead of 4 for the copy down.
+
+The C source is built once per machine with the system C compiler (``cc``, OpenMP, tuned for
+this CPU) into a cache directory and loaded with ctypes; the call releases the GIL, and its
+OpenMP team belongs to the calling thread (the offload worker). Without a compiler, or with
+``ZERORUN_CPU_KERNEL=0``, ``load()`` returns None and offload keeps the fp32 gradient path.
+
+The arithmetic is torch's fused CPU Adam(W)'s, operation for operation (the same fused
+multiply-adds, nothing else contracted; the scalars computed in double and rounded once): on
+the same widened gradient both kernels give bitwise the same master, m and v (a test).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+__all__ = ["AdamKernel", "load", "reset", "SOURCE"]
+
+SOURCE = r"""
+#include <stdint.h>
+#include <string.h>
+#include <math.h>
+
+static inline float widen_bf16(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* One Adam(W) update of n elements in place; g is bf16. mode 0: Adam (L2 weight decay added to
+   the gradient), 1: AdamW (decoupled). The scalars come rounded from double, as in torch. */
+void zerorun_adam_bf16_grad(float *restrict p, const uint16_t *restrict g, float *restrict m,
+                            float *restrict v, int64_t n, float one_minus_beta1, float beta2,
+                            float one_minus_beta2, float eps, float weight_decay, float decay,
+                            int mode, int maximize, float step_size, float bias_correction2_sqrt,
+                            int threads) {
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t i = 0; i < n; ++i) {
+        float grad = widen_bf16(g[i]);
+        if (maximize) grad = -grad;
+        float param = p[i];
+        if (mode == 0) grad = fmaf(param, weight_decay, grad);
+        else param = param * decay;
+        float ea = fmaf(one_minus_beta1, grad - m[i], m[i]);
+        float eas = fmaf(grad * one_minus_beta2, grad, v[i] * beta2);
+        m[i] = ea;
+        v[i] = eas;
+        float denom = sqrtf(eas) / bias_correction2_sqrt + eps;
+        p[i] = param - (step_size * ea) / denom;
+    }
+}
+"""
+
+_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC"]
+_lock = threading.Lock()
+_loaded: dict[str, AdamKernel | None] = {}  # by source/flags/compiler/CPU key
+_current: list[AdamKernel | None] = []  # load()'s answer for this process, once known
+
+
+class AdamKernel:
+    """The built kernel: ``step(...)`` updates one tile (fp32 master, m, v; bf16 gradient)."""
+
+    def __init__(self, lib: ctypes.CDLL, path: Path) -> None:
+        self.path = path
+        fn = lib.zerorun_adam_bf16_grad
+        f, i64, i32, ptr = ctypes.c_float, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+        fn.argtypes = [ptr, ptr, ptr, ptr, i64, f, f, f, f, f, f, i32, i32, f, f, i32]
+        fn.restype = None
+        self._fn = fn
+
+    def step(
+        self,
+        p: torch.Tensor,
+        g: torch.Tensor,
+        exp_avg: torch.Tensor,
+        exp_avg_sq: torch.Tensor,
+        *,
+        step: float,
+        lr: float,
+        beta1: float,
+        beta2: float,
+        eps: float,
+        weight_decay: float,
+        decoupled: bool,
+        maximize: bool,
+        threads: int,
+    ) -> None:
+        n = p.numel()
+        for t, dtype in ((p, torch.float32), (g, torch.bfloat16), (exp_avg, torch.float32), (exp_avg_sq, torch.float32)):
+            if t.dtype != dtype or t.device.type != "cpu" or not t.is_contiguous() or t.numel() != n:
+                raise ValueError(f"adam kernel: expected a contiguous CPU {dtype} tensor of {n} elements, got {t.dtype} {tuple(t.shape)}")
+        # The bias corrections in double, as torch's kernel computes them.
+        bias_correction1 = 1.0 - beta1**step
+        bias_correction2_sqrt = (1.0 - beta2**step) ** 0.5
+        self._fn(
+            p.data_ptr(),
+            g.data_ptr(),
+            exp_avg.data_ptr(),
+            exp_avg_sq.data_ptr(),
+            n,
+            1.0 - beta1,
+            beta2,
+            1.0 - beta2,
+            eps,
+            weight_decay,
+            1.0 - lr * weight_decay,
+            1 if decoupled else 0,
+            1 if maximize else 0,
+            lr / bias_correction1,
+            bias_correction2_sqrt,
+            max(1, threads),
+        )
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("ZERORUN_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "zerorun"
+    )
+    return Path(root) / "kernels"
+
+
+def _cpu_id() -> str:
+    """What ``-march=native`` compiled for: a cache shared across machines (a home directory on
+    a cluster's file system) must not hand one CPU's library to another."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return os.uname().machine
+    keep = [line for line in text.splitlines() if line.startswith(("model name", "flags", "Features", "CPU part"))]
+    return "\n".join(sorted(set(keep)))
+
+
+def _build(compiler: str, out: Path) -> None:
+    """Compile into a temporary file beside ``out`` and rename it into place (ranks of one node
+    may build at the same time: each sees either nothing or a whole library)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        src = Path(tmp) / "adam.c"
+        src.write_text(SOURCE)
+        lib = Path(tmp) / out.name
+        subprocess.run([compiler, *_FLAGS, str(src), "-o", str(lib), "-lm"], check=True, capture_output=True, timeout=120)
+        os.replace(lib, out)
+
+
+def load() -> AdamKernel | None:
+    """The kernel, built on first use (cached per machine and source); None when disabled
+    (``ZERORUN_CPU_KERNEL=0``) or when it cannot be built here. Decided once per process (the
+    tile loop asks for every tile); ``reset()`` forgets the answer."""
+    if _current:
+        return _current[0]
+    kernel = _find()
+    _current[:] = [kernel]
+    return kernel
+
+
+def reset() -> None:
+    _current.clear()
+
+
+def _find() -> AdamKernel | None:
+    if os.environ.get("ZERORUN_CPU_KERNEL", "1") == "0":
+        return None
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        return None
+    key = hashlib.sha256("\0".join([SOURCE, *_FLAGS, compiler, _cpu_id()]).encode()).hexdigest()[:16]
+    with _lock:
+        if key in _loaded:
+            return _loaded[key]
+        path = _cache_dir() / f"adam_bf16_grad_{key}.so"
+        kernel: AdamKernel | None
+        try:
+            if not path.exists():
+                _build(compiler, path)
+            kernel = AdamKernel(ctypes.CDLL(str(path)), path)
+        except (OSError, subprocess.SubprocessError):
+            kernel = None
+        _loaded[key] = kernel
+        return kernel
