@@ -119,6 +119,23 @@ def kernels(
         "zerorun_tiles": (zerorun_tiles, ADAM_MIN_BYTES, "adam"),
         "fused_whole": (fused_whole, ADAM_MIN_BYTES, "adam"),
     }
+    from zerorun.runtime.offload import cpu_kernel
+
+    if cpu_kernel.load() is not None:
+        # A bf16 gradient widened inside the one-pass kernel (options.narrow_grads): 26 B/element.
+        g16 = g.to(torch.bfloat16)
+
+        def bf16_grad_tiles() -> None:
+            step.add_(1)
+            for lo, hi in parts:
+                adam_tile(p[lo:hi], g16[lo:hi], m[lo:hi], v[lo:hi], None, step, h)
+
+        def bf16_grad_whole() -> None:
+            step.add_(1)
+            adam_tile(p, g16, m, v, None, step, h)
+
+        table["kernel_bf16_grad_tiles"] = (bf16_grad_tiles, ADAM_MIN_BYTES - 2, "adam")
+        table["kernel_bf16_grad_whole"] = (bf16_grad_whole, ADAM_MIN_BYTES - 2, "adam")
     if default_adamw:
         param = torch.nn.Parameter(p.clone())
         param.grad = g.clone()

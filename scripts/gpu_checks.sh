@@ -88,6 +88,12 @@ run offload_shared_gloo 120 env ZERORUN_BACKEND=gloo \
   --junitxml="$OUT/offload_shared_gloo.xml"
 run offload_units 40 "${PYTEST[@]}" tests/runtime/test_offload_units.py tests/runtime/test_offload_host.py \
   --junitxml="$OUT/offload_units.xml"
+# 2b''. bf16 gradients on the wire (options.narrow_grads): cast on the GPU, copied down as bf16,
+#      stepped by the one-pass CPU kernel (built here with the host's compiler) -- bitwise the same
+#      training as fp32 gradients with torch's kernel, stages 1-3, parameter offload, delayed update.
+run offload_narrow 60 env ZERORUN_BACKEND=nccl \
+  "${PYTEST[@]}" tests/runtime/test_offload_narrow.py \
+  --junitxml="$OUT/offload_narrow.xml"
 # 2b'. the exact step's deferred write-backs (issue 17): the next forward starts on the buffers it
 #      needs first while the CPU steps the rest -- the order proved with the placement's own events
 #      (world 1 on the GPU, and 2 ranks sharing it over gloo: stages 1-2 there defer nothing).

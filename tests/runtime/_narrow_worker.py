@@ -1,4 +1,4 @@
-"""One rank: the same bf16 offloaded training twice -- bf16 gradients on the wire with
+"""One rank (on the GPU when there is one): the same bf16 offloaded training twice -- bf16 gradients on the wire with
 cpu_kernel's one-pass Adam, then fp32 gradients and torch's fused kernel (ZERORUN_CPU_KERNEL=0)
 -- at stages 1-3 (stage 3 also with parameter offload); writes what test_offload_narrow checks.
 
@@ -41,12 +41,12 @@ def train(case: oc.OCase) -> dict:
     losses = []
     for step in range(case.steps):
         ids, targets = _models.batch(77, step, 0, 0, oc.MICRO_BATCH)
-        loss = engine(ids, targets)
+        loss = engine(ids.to(engine.device), targets.to(engine.device))
         engine.backward(loss)
         engine.step()
         losses.append(float(loss))
     engine.stage.state.placement.synchronize()
-    masters = [m.detach().clone() for m in engine.stage.state.masters]
+    masters = [m.detach().cpu().clone() for m in engine.stage.state.masters]
     out = {
         "losses": losses,
         "masters": masters,
