@@ -121,21 +121,24 @@ def kernels(
     }
     from zerorun.runtime.offload import cpu_kernel
 
-    if cpu_kernel.load() is not None:
-        # A bf16 gradient widened inside the one-pass kernel (options.narrow_grads): 26 B/element.
+    kernel = cpu_kernel.load()
+    if kernel is not None:
+        # A bf16 gradient widened inside the one-pass kernel (options.narrow_grads): 26 B/element,
+        # split across a pool of threads (its default) or by one OpenMP region per call.
         g16 = g.to(torch.bfloat16)
 
-        def bf16_grad_tiles() -> None:
-            step.add_(1)
-            for lo, hi in parts:
-                adam_tile(p[lo:hi], g16[lo:hi], m[lo:hi], v[lo:hi], None, step, h)
+        def bf16_grad(mode: str, tiled: bool) -> Any:
+            def run() -> None:
+                kernel.mode = mode
+                step.add_(1)
+                for lo, hi in parts if tiled else [(0, numel)]:
+                    adam_tile(p[lo:hi], g16[lo:hi], m[lo:hi], v[lo:hi], None, step, h)
 
-        def bf16_grad_whole() -> None:
-            step.add_(1)
-            adam_tile(p, g16, m, v, None, step, h)
+            return run
 
-        table["kernel_bf16_grad_tiles"] = (bf16_grad_tiles, ADAM_MIN_BYTES - 2, "adam")
-        table["kernel_bf16_grad_whole"] = (bf16_grad_whole, ADAM_MIN_BYTES - 2, "adam")
+        for mode in ("threads", "omp"):
+            table[f"kernel_bf16_grad_tiles_{mode}"] = (bf16_grad(mode, True), ADAM_MIN_BYTES - 2, "adam")
+            table[f"kernel_bf16_grad_whole_{mode}"] = (bf16_grad(mode, False), ADAM_MIN_BYTES - 2, "adam")
     if default_adamw:
         param = torch.nn.Parameter(p.clone())
         param.grad = g.clone()

@@ -26,6 +26,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -69,6 +70,7 @@ void zerorun_adam_bf16_grad(float *restrict p, const uint16_t *restrict g, float
 """
 
 _FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC"]
+_MIN_SPLIT = 1 << 16  # elements: below this one thread does the whole call
 _lock = threading.Lock()
 _loaded: dict[str, AdamKernel | None] = {}  # by source/flags/compiler/CPU key
 _current: list[AdamKernel | None] = []  # load()'s answer for this process, once known
@@ -84,6 +86,14 @@ class AdamKernel:
         fn.argtypes = [ptr, ptr, ptr, ptr, i64, f, f, f, f, f, f, i32, i32, f, f, i32]
         fn.restype = None
         self._fn = fn
+        # How the elements are split across cores: "omp" -- one OpenMP region per call (the
+        # team belongs to the calling thread); "threads" -- a persistent pool of Python threads,
+        # each running a contiguous chunk single-threaded (ctypes releases the GIL), which never
+        # spin between calls. ZERORUN_CPU_KERNEL=omp|threads picks one (benchmarks).
+        mode = os.environ.get("ZERORUN_CPU_KERNEL", "threads")
+        self.mode = mode if mode in ("omp", "threads") else "threads"
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_size = 0
 
     def step(
         self,
@@ -109,12 +119,7 @@ class AdamKernel:
         # The bias corrections in double, as torch's kernel computes them.
         bias_correction1 = 1.0 - beta1**step
         bias_correction2_sqrt = (1.0 - beta2**step) ** 0.5
-        self._fn(
-            p.data_ptr(),
-            g.data_ptr(),
-            exp_avg.data_ptr(),
-            exp_avg_sq.data_ptr(),
-            n,
+        args = (
             1.0 - beta1,
             beta2,
             1.0 - beta2,
@@ -125,8 +130,32 @@ class AdamKernel:
             1 if maximize else 0,
             lr / bias_correction1,
             bias_correction2_sqrt,
-            max(1, threads),
         )
+        ptrs = (p.data_ptr(), g.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr())
+        threads = max(1, threads)
+        if self.mode == "omp" or threads == 1 or n < _MIN_SPLIT:
+            self._fn(*ptrs, n, *args, threads if self.mode == "omp" else 1)
+            return
+        # Chunks of whole cache lines (16 floats), one per thread; the caller runs the first.
+        per = (-(-n // threads) + 15) // 16 * 16
+        bounds = [(a, min(a + per, n)) for a in range(0, n, per)]
+        pool = self._threads(threads - 1)
+
+        def run(a: int, b: int) -> None:
+            self._fn(ptrs[0] + 4 * a, ptrs[1] + 2 * a, ptrs[2] + 4 * a, ptrs[3] + 4 * a, b - a, *args, 1)
+
+        futures = [pool.submit(run, a, b) for a, b in bounds[1:]]
+        run(*bounds[0])
+        for f in futures:
+            f.result()
+
+    def _threads(self, size: int) -> ThreadPoolExecutor:
+        if self._pool is None or self._pool_size != size:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+            self._pool = ThreadPoolExecutor(size, thread_name_prefix="zerorun-adam")
+            self._pool_size = size
+        return self._pool
 
 
 def _cache_dir() -> Path:
