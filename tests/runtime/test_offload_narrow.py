@@ -41,17 +41,23 @@ def _torch_step(p, g, m, v, step, decoupled, maximize, wd):  # noqa: ANN001, ANN
 @pytest.mark.parametrize("maximize", [False, True], ids=["min", "max"])
 @pytest.mark.parametrize("wd", [0.0, 0.1])
 @pytest.mark.parametrize("step", [1, 1000])
-def test_kernel_is_torchs_fused_adam_bit_for_bit(decoupled: bool, maximize: bool, wd: float, step: int) -> None:
+@pytest.mark.parametrize("gdtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("mode", ["threads", "omp"])
+def test_kernel_is_torchs_fused_adam_bit_for_bit(
+    decoupled: bool, maximize: bool, wd: float, step: int, gdtype: torch.dtype, mode: str
+) -> None:
     """Same operation order as torch's fused CPU kernel: bitwise equal on the elements of its
-    vector loop (n a multiple of 64), at most one ulp on its scalar tail (odd n)."""
+    vector loop (n a multiple of 64), at most one ulp on its scalar tail (odd n); split over the
+    pool (chunks of 16 elements: several calls) or one OpenMP region alike."""
     k = _kernel()
-    for n, exact in ((1 << 16, True), ((1 << 16) + 13, False)):
+    k.mode = mode
+    for n, exact in ((1 << 17, True), ((1 << 17) + 13, False)):
         torch.manual_seed(n + step)
-        p, g = torch.randn(n), torch.randn(n).bfloat16()
+        p, g = torch.randn(n), torch.randn(n).to(gdtype)
         m, v = torch.randn(n) * 0.1, torch.rand(n) * 0.01
         a, b = [t.clone() for t in (p, m, v)], [t.clone() for t in (p, m, v)]
         k.step(a[0], g, a[1], a[2], step=float(step), lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
-               weight_decay=wd, decoupled=decoupled, maximize=maximize, threads=2)
+               weight_decay=wd, decoupled=decoupled, maximize=maximize, threads=3)
         _torch_step(b[0], g, b[1], b[2], step, decoupled, maximize, wd)
         for x, y in zip(a, b, strict=True):
             if exact:
@@ -64,9 +70,12 @@ def test_kernel_is_torchs_fused_adam_bit_for_bit(decoupled: bool, maximize: bool
 def test_kernel_rejects_wrong_tensors() -> None:
     k = _kernel()
     p = torch.zeros(8)
-    with pytest.raises(ValueError, match="bfloat16"):
-        k.step(p, torch.zeros(8), p.clone(), p.clone(), step=1.0, lr=1.0, beta1=0.9, beta2=0.9, eps=1e-8,
-               weight_decay=0.0, decoupled=True, maximize=False, threads=1)
+    with pytest.raises(ValueError, match="bfloat16 or float32"):
+        k.step(p, torch.zeros(8, dtype=torch.float16), p.clone(), p.clone(), step=1.0, lr=1.0, beta1=0.9,
+               beta2=0.9, eps=1e-8, weight_decay=0.0, decoupled=True, maximize=False, threads=1)
+    with pytest.raises(ValueError, match="contiguous"):
+        k.step(p, torch.zeros(16)[::2], p.clone(), p.clone(), step=1.0, lr=1.0, beta1=0.9,
+               beta2=0.9, eps=1e-8, weight_decay=0.0, decoupled=True, maximize=False, threads=1)
 
 
 def test_disabled_kernel_is_none(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,12 +1,13 @@
-"""The CPU optimizer step, tile by tile, with torch's fused CPU Adam/AdamW kernel.
+"""The CPU optimizer step, tile by tile, with zerorun's CPU Adam(W) kernel (cpu_kernel.py; torch's
+fused one where that cannot be built).
 
 ``optimizer.step()`` updates whole master shards at once, which leaves nothing to overlap: the
 offload pipeline needs to step *tiles* (a range of one master) so that the gradient copy of the
 next tile and the parameter copy of the previous one run while this one is computed. For the
-Adam family the update is elementwise, so stepping a tile with the fused kernel
-(``torch._fused_adam_`` / ``torch._fused_adamw_``; vectorised and multi-threaded, several times
-faster than the default CPU loop) on slices of the optimizer's own state tensors gives exactly
-what ``optimizer.step()`` would. The state keeps torch's keys and types (``step``, ``exp_avg``,
+Adam family the update is elementwise, so stepping a tile with a fused kernel (cpu_kernel's, or
+``torch._fused_adam_`` / ``torch._fused_adamw_``: vectorised and multi-threaded, several times
+faster than the default CPU loop; both compute alike, bit for bit) on slices of the optimizer's
+own state tensors gives exactly what ``optimizer.step()`` would. The state keeps torch's keys and types (``step``, ``exp_avg``,
 ``exp_avg_sq``, ``max_exp_avg_sq``), so checkpoints and ``optimizer.state_dict()`` do not see a
 difference. Other optimizers go through ``optimizer.step()`` (correct, not pipelined).
 """
@@ -87,12 +88,19 @@ def adam_tile(
     h: AdamHyper,
 ) -> None:
     """One Adam(W) update of a tile in place. ``step`` is the master's step counter, already
-    incremented for this step (the fused kernel reads it for the bias correction). A bf16
-    gradient (``options.narrow_grads``) is widened inside cpu_kernel's one-pass kernel; where
-    that cannot run (AMSGrad, no compiler) it is widened first."""
-    if g.dtype != p.dtype:
-        kernel = cpu_kernel.load() if g.dtype == torch.bfloat16 and p.dtype == torch.float32 else None
-        if kernel is not None and not h.amsgrad and p.device.type == "cpu":
+    incremented for this step (the fused kernel reads it for the bias correction). On the CPU
+    zerorun's kernel (cpu_kernel.py) runs it, widening a bf16 gradient (``options.narrow_grads``)
+    in the same pass; where that cannot run (AMSGrad, no compiler) torch's fused kernel does,
+    on a widened copy of a bf16 gradient."""
+    tensors = (p, g, exp_avg, exp_avg_sq)
+    if (
+        p.device.type == "cpu"
+        and p.dtype == torch.float32
+        and g.dtype in (torch.bfloat16, torch.float32)
+        and all(t.is_contiguous() for t in tensors)
+    ):
+        kernel = None if h.amsgrad else cpu_kernel.load()
+        if kernel is not None:
             kernel.step(
                 p,
                 g,
@@ -109,6 +117,7 @@ def adam_tile(
                 threads=torch.get_num_threads(),
             )
             return
+    if g.dtype != p.dtype:
         g = g.to(p.dtype)
     fn = torch._fused_adamw_ if h.decoupled else torch._fused_adam_
     fn(

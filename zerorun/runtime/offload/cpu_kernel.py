@@ -1,20 +1,31 @@
-"""A one-pass CPU Adam(W) kernel that reads a 16-bit gradient (docs/offload.md, "Bytes per element").
+"""zerorun's CPU Adam(W) kernel: one pass, a bf16 or fp32 gradient, split over a pool of threads
+(docs/offload.md, "Bytes per element").
 
 torch's fused CPU Adam kernel needs the gradient in the master's dtype (fp32), so the host
 gradient buffer is fp32: the copy down writes 4 bytes per element into host memory and the step
 reads them back. When the fp32 gradient holds single bf16 values exactly (one rank, one
-micro-step, no clipping: ``options.narrow_grads``), 2 bytes carry the same number. This kernel
-reads that bf16 gradient, widens it in registers and updates master, m and v in the same pass:
-26 bytes of host memory per element instead of 28, plus 2 instead of 4 for the copy down.
+micro-step, no clipping: ``options.narrow_grads``), 2 bytes carry the same number: this kernel
+reads that bf16 gradient, widens it in registers and updates master, m and v in the same pass
+(26 bytes of host memory per element instead of 28, plus 2 instead of 4 for the copy down). It
+steps fp32 gradients too.
 
-The C source is built once per machine with the system C compiler (``cc``, OpenMP, tuned for
-this CPU) into a cache directory and loaded with ctypes; the call releases the GIL, and its
-OpenMP team belongs to the calling thread (the offload worker). Without a compiler, or with
-``ZERORUN_CPU_KERNEL=0``, ``load()`` returns None and offload keeps the fp32 gradient path.
+How a call is spread over the cores matters as much as the bytes. torch's kernel runs one
+OpenMP region per call with a static split: each thread gets 1/N of the tile, so one thread
+preempted by the training thread (running the next forward beside the step) holds up the
+whole tile. Measured on the H200 host (benchmarks/results/gpu_runs/20261201T2254Z-h200-e5ed858):
+the CPU update took 0.54 s per step at stage 2 with torch's kernel or this one under OpenMP,
+0.35 s with this one on a pool (the same run, the same machine). The pool's threads take the
+chunks from one queue -- a preempted thread simply takes fewer -- and sleep between calls
+instead of spinning. ``ZERORUN_CPU_KERNEL=omp`` selects the OpenMP split (benchmarks).
+
+The C source is built once per machine with the system C compiler (``cc``, tuned for this CPU)
+into a cache directory and loaded with ctypes; calls release the GIL. Without a compiler, or
+with ``ZERORUN_CPU_KERNEL=0``, ``load()`` returns None and offload steps fp32 gradients with
+torch's fused kernel.
 
 The arithmetic is torch's fused CPU Adam(W)'s, operation for operation (the same fused
 multiply-adds, nothing else contracted; the scalars computed in double and rounded once): on
-the same widened gradient both kernels give bitwise the same master, m and v (a test).
+the same gradient both kernels give bitwise the same master, m and v (a test).
 """
 
 from __future__ import annotations
@@ -28,6 +39,7 @@ import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -45,28 +57,34 @@ static inline float widen_bf16(uint16_t h) {
     return f;
 }
 
-/* One Adam(W) update of n elements in place; g is bf16. mode 0: Adam (L2 weight decay added to
-   the gradient), 1: AdamW (decoupled). The scalars come rounded from double, as in torch. */
-void zerorun_adam_bf16_grad(float *restrict p, const uint16_t *restrict g, float *restrict m,
-                            float *restrict v, int64_t n, float one_minus_beta1, float beta2,
-                            float one_minus_beta2, float eps, float weight_decay, float decay,
-                            int mode, int maximize, float step_size, float bias_correction2_sqrt,
-                            int threads) {
-    #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t i = 0; i < n; ++i) {
-        float grad = widen_bf16(g[i]);
-        if (maximize) grad = -grad;
-        float param = p[i];
-        if (mode == 0) grad = fmaf(param, weight_decay, grad);
-        else param = param * decay;
-        float ea = fmaf(one_minus_beta1, grad - m[i], m[i]);
-        float eas = fmaf(grad * one_minus_beta2, grad, v[i] * beta2);
-        m[i] = ea;
-        v[i] = eas;
-        float denom = sqrtf(eas) / bias_correction2_sqrt + eps;
-        p[i] = param - (step_size * ea) / denom;
-    }
+static inline float widen_f32(float x) { return x; }
+
+/* One Adam(W) update of n elements in place, the gradient in bf16 (G = uint16_t, widened here) or
+   fp32. mode 0: Adam (L2 weight decay added to the gradient), 1: AdamW (decoupled). The scalars
+   come rounded from double, as in torch. */
+#define ADAM(NAME, G, WIDEN)                                                                    \
+void NAME(float *restrict p, const G *restrict g, float *restrict m, float *restrict v,       \
+          int64_t n, float one_minus_beta1, float beta2, float one_minus_beta2, float eps,       \
+          float weight_decay, float decay, int mode, int maximize, float step_size,             \
+          float bias_correction2_sqrt, int threads) {                                           \
+    _Pragma("omp parallel for num_threads(threads) schedule(static)")                          \
+    for (int64_t i = 0; i < n; ++i) {                                                           \
+        float grad = WIDEN(g[i]);                                                               \
+        if (maximize) grad = -grad;                                                             \
+        float param = p[i];                                                                     \
+        if (mode == 0) grad = fmaf(param, weight_decay, grad);                                  \
+        else param = param * decay;                                                             \
+        float ea = fmaf(one_minus_beta1, grad - m[i], m[i]);                                    \
+        float eas = fmaf(grad * one_minus_beta2, grad, v[i] * beta2);                           \
+        m[i] = ea;                                                                              \
+        v[i] = eas;                                                                             \
+        float denom = sqrtf(eas) / bias_correction2_sqrt + eps;                                 \
+        p[i] = param - (step_size * ea) / denom;                                                \
+    }                                                                                           \
 }
+
+ADAM(zerorun_adam_bf16_grad, uint16_t, widen_bf16)
+ADAM(zerorun_adam_f32_grad, float, widen_f32)
 """
 
 _FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC"]
@@ -77,15 +95,16 @@ _current: list[AdamKernel | None] = []  # load()'s answer for this process, once
 
 
 class AdamKernel:
-    """The built kernel: ``step(...)`` updates one tile (fp32 master, m, v; bf16 gradient)."""
+    """The built kernel: ``step(...)`` updates one tile (fp32 master, m, v; bf16 or fp32 gradient)."""
 
     def __init__(self, lib: ctypes.CDLL, path: Path) -> None:
         self.path = path
-        fn = lib.zerorun_adam_bf16_grad
         f, i64, i32, ptr = ctypes.c_float, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
-        fn.argtypes = [ptr, ptr, ptr, ptr, i64, f, f, f, f, f, f, i32, i32, f, f, i32]
-        fn.restype = None
-        self._fn = fn
+        self._fns: dict[torch.dtype, Any] = {}
+        for dtype, fn in ((torch.bfloat16, lib.zerorun_adam_bf16_grad), (torch.float32, lib.zerorun_adam_f32_grad)):
+            fn.argtypes = [ptr, ptr, ptr, ptr, i64, f, f, f, f, f, f, i32, i32, f, f, i32]
+            fn.restype = None
+            self._fns[dtype] = fn
         # How the elements are split across cores: "omp" -- one OpenMP region per call (the
         # team belongs to the calling thread); "threads" -- a persistent pool of Python threads,
         # each running a contiguous chunk single-threaded (ctypes releases the GIL), which never
@@ -113,7 +132,10 @@ class AdamKernel:
         threads: int,
     ) -> None:
         n = p.numel()
-        for t, dtype in ((p, torch.float32), (g, torch.bfloat16), (exp_avg, torch.float32), (exp_avg_sq, torch.float32)):
+        fn = self._fns.get(g.dtype)
+        if fn is None:
+            raise ValueError(f"adam kernel: the gradient must be bfloat16 or float32, got {g.dtype}")
+        for t, dtype in ((p, torch.float32), (g, g.dtype), (exp_avg, torch.float32), (exp_avg_sq, torch.float32)):
             if t.dtype != dtype or t.device.type != "cpu" or not t.is_contiguous() or t.numel() != n:
                 raise ValueError(f"adam kernel: expected a contiguous CPU {dtype} tensor of {n} elements, got {t.dtype} {tuple(t.shape)}")
         # The bias corrections in double, as torch's kernel computes them.
@@ -132,9 +154,10 @@ class AdamKernel:
             bias_correction2_sqrt,
         )
         ptrs = (p.data_ptr(), g.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr())
+        gsize = g.element_size()
         threads = max(1, threads)
         if self.mode == "omp" or threads == 1 or n < _MIN_SPLIT:
-            self._fn(*ptrs, n, *args, threads if self.mode == "omp" else 1)
+            fn(*ptrs, n, *args, threads if self.mode == "omp" else 1)
             return
         # Chunks of whole cache lines (16 floats), one per thread; the caller runs the first.
         per = (-(-n // threads) + 15) // 16 * 16
@@ -142,7 +165,7 @@ class AdamKernel:
         pool = self._threads(threads - 1)
 
         def run(a: int, b: int) -> None:
-            self._fn(ptrs[0] + 4 * a, ptrs[1] + 2 * a, ptrs[2] + 4 * a, ptrs[3] + 4 * a, b - a, *args, 1)
+            fn(ptrs[0] + 4 * a, ptrs[1] + gsize * a, ptrs[2] + 4 * a, ptrs[3] + 4 * a, b - a, *args, 1)
 
         futures = [pool.submit(run, a, b) for a, b in bounds[1:]]
         run(*bounds[0])
