@@ -22,6 +22,7 @@ class OCase:
     ratio: float | str = 1.0  # offload_optimizer.ratio (Twin-Flow); "auto" with budget_gb
     budget_gb: float = 0.0  # zerorun.offload_gpu_budget_gb
     unhooked: int = 0  # flat buffers whose grad_ready the worker withholds (a stage that cannot call it)
+    persistence: int = 0  # stage3_param_persistence_threshold (> 0: a persistent group)
 
     @property
     def name(self) -> str:
@@ -40,6 +41,8 @@ class OCase:
             parts.append(f"ratio{self.ratio:g}" if self.ratio != "auto" else f"ratio-auto{self.budget_gb:g}")
         if self.unhooked:
             parts.append(f"unhooked{self.unhooked}")
+        if self.persistence:
+            parts.append(f"persist{self.persistence}")
         return "-".join(parts)
 
     def to_dict(self) -> dict:
@@ -72,6 +75,9 @@ def matrix(world: int) -> list[OCase]:
             OCase(1, "bf16"),
             OCase(2, "bf16", steps=4),
             OCase(3, "bf16", model="wide", steps=4),
+            # ... with a persistent group (the biases): at one rank its write-back is deferred too,
+            # settled with every group's read (Stage3._persistent) instead of waited for in step().
+            OCase(3, "bf16", model="wide", steps=4, persistence=100),
         ]
     # Stage 3 gathers per module group in the forward, so every rank must run the same modules:
     # TinyNet's rank-dependent branch would deadlock it; stage 3 cases use WideNet.

@@ -101,7 +101,7 @@ def config_for(case: oc.OCase, nvme_dir: str) -> dict:
     if case.budget_gb:
         cfg["zerorun"]["offload_gpu_budget_gb"] = case.budget_gb
     if case.stage == 3:
-        zero["stage3_param_persistence_threshold"] = 0
+        zero["stage3_param_persistence_threshold"] = case.persistence
         cfg["zerorun"]["stage3_group_min_numel"] = 50  # TinyNet: 5+ partitioned groups
     if case.dtype == "bf16":
         cfg["bf16"] = {"enabled": True}

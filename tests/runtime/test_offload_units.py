@@ -210,6 +210,11 @@ def test_early_steps_finish_what_the_step_needs_then_what_the_forward_uses_first
     s3.deferrable = frozenset({1, 2, 3, 4})  # (Stage3: every group but the persistent one)
     assert [s3._deferrable(i) for i in range(5)] == [False, True, True, True, True]
     assert sorted(reversed(range(5)), key=s3._priority) == [0, 1, 2, 3, 4]
+    # The stage's own order (Stage3.settle_order at one rank: the persistent group, read by
+    # every module, first -- here buffer 4 --, then the groups in index order).
+    s3.deferrable, s3.settle_order = frozenset(range(5)), (4, 0, 1, 2, 3)
+    assert sorted(range(5), key=s3._priority) == [4, 0, 1, 2, 3]
+    s3.deferrable, s3.settle_order = frozenset({1, 2, 3, 4}), ()
     del s3._targets[2]  # first step: destination not known yet -> finished by the step
     assert sorted(reversed(range(5)), key=s3._priority)[:2] == [2, 0]
     s2 = placement(2, param=False)

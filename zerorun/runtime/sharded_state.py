@@ -128,6 +128,11 @@ class ShardPlacement:
 
     #: Set by the stage: buffers whose write-back may complete after the step returns.
     deferrable: frozenset[int] = frozenset()
+    #: Set by the stage (optional): the deferrable buffers in the order the next forward first
+    #: reads them, so the placement completes them in that order (stage 3: its persistent
+    #: group, read by every module, first). Empty: the reverse of the order the gradients are
+    #: final in the backward.
+    settle_order: tuple[int, ...] = ()
 
     def in_flight(self) -> frozenset[int]:
         """Buffers whose write-back the last step left in flight (a subset of ``deferrable``;

@@ -336,13 +336,15 @@ class HostPlacement(ShardPlacement):
 
     def _priority(self, index: int) -> tuple[int, int]:
         """Buffers the step must finish before it returns first; then those whose write-back
-        may finish later (_deferrable) in the order the next forward uses them (the reverse of
-        the order their gradients became final), so it can start on the first while the CPU
-        steps the rest."""
+        may finish later (_deferrable) in the order the next forward uses them (``settle_order``
+        when the stage gives one, else the reverse of the order their gradients became final),
+        so it can start on the first while the CPU steps the rest."""
         if not self._deferrable(index):
             return (0, 0)
+        if index in self.settle_order:  # (the stage's own order: stage 3's persistent group first)
+            return (1, self.settle_order.index(index))
         order = ready_order(len(self.masters), self.opts.stage)
-        return (1, len(order) - 1 - order.index(index))
+        return (1, len(order) + len(order) - 1 - order.index(index))
 
     @property
     def may_defer(self) -> bool:
@@ -538,6 +540,7 @@ class HostPlacement(ShardPlacement):
         issued = self._deferred.get(index)
         if issued is None:
             return
+        t0 = time.perf_counter()
         issued.wait()
         if self._worker_error is not None:
             self._wait_stepped(index)  # raises the worker's error
@@ -548,6 +551,9 @@ class HostPlacement(ShardPlacement):
             self.copier.fence(self._up_ev[index][-1])  # one stream: the last tile's covers all
         else:
             Copier.wait(self._up_ev[index][-1])
+        # The caller (the next forward, a reader) blocked on this step's CPU work: apart from
+        # main_wait_s (blocked in step()), so that stages are compared on the sum (StepProfile).
+        self.profile.add("settle_wait_s", time.perf_counter() - t0)
         if not self._deferred:
             self._deferred_after = None
             if self.profile.pending:

@@ -1,8 +1,12 @@
 """Where one offloaded step's time went, and the wall_clock_breakdown sub-phases made from it.
 
 Seconds per key -- ``gradient_wait_s`` / ``io_wait_s`` / ``adam_s`` / ``staging_s`` added by the
-worker, ``main_wait_s`` by the training thread blocked on the step (the two threads add different
-keys) -- are what limits offload on a given machine. A step's profile is published (`close`) when
+worker; ``main_wait_s`` by the training thread blocked in the step (``step()``, the write-back's
+end), ``settle_wait_s`` by the training thread blocked on this step's deferred write-backs in the
+next forward or a reader (``HostPlacement.settle``; the two threads add different keys) -- are
+what limits offload on a given machine. Compare stages on ``main_wait_s + settle_wait_s``: which
+of the two a wait lands in depends on what the stage may defer (stage 3 at several ranks waits
+in the step for its persistent group, at one rank in the forward). A step's profile is published (`close`) when
 the step is complete: with deferred host write-backs that is when the last of them landed,
 during the next forward, so `last` is then the previous step's, whole. With the delayed update
 the worker's share is the previous step's.

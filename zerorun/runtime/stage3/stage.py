@@ -12,7 +12,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 
 import torch
 from torch.utils.hooks import RemovableHandle
@@ -51,16 +52,34 @@ class Stage3:
         ]
         hooks.on_grad_ready = state.grad_ready
         placement = state.placement
+        # The persistent group's flat buffers whose write-back may be deferred too: at one rank
+        # (its at-rest shard is the replica the modules read; refresh_replicas has nothing to
+        # gather). With several ranks its replicas are all-gathered in the step: not deferred.
+        self._persistent: tuple[int, ...] = ()
         if placement.may_defer:
-            # The step may leave the write-backs of the partitioned groups in flight: each
-            # group's gather (or, resident, its forward) settles its shards first, the end of
-            # the forward whatever it did not use, wait_params everything. (The persistent
-            # group's replicas are all-gathered in the step: not deferrable.)
+            self._persistent = tuple(
+                layout.index for g in self.groups if g.persistent and g.world == 1 for layout in g.layouts
+            )
+            # The step may leave the write-backs in flight: each group's gather (or, resident,
+            # its forward) settles its shards first -- and the persistent group's, whose small
+            # parameters any module may read (before_forward settles them too) --, the end of
+            # the forward whatever it did not use, wait_params everything. The placement steps
+            # them in that order (settle_order): the persistent group, then the groups in index
+            # order (the root group, read from the start of the forward, then the blocks).
             placement.deferrable = frozenset(
+                layout.index
+                for g in self.groups
+                if not g.persistent or g.world == 1
+                for layout in g.layouts
+            )
+            placement.settle_order = self._persistent + tuple(
                 layout.index for g in self.groups if not g.persistent for layout in g.layouts
             )
+            settle = placement.settle
+            if self._persistent:
+                settle = functools.partial(_settle_after, placement.settle, self._persistent)
             for g in self.groups:
-                g.before_read = placement.settle
+                g.before_read = settle
             hooks.on_forward_end = placement.settle_all
         # model_io's state_dict hooks on the module (build_stage3 installs them)
         self.io_handles: list[RemovableHandle] = []
@@ -118,8 +137,13 @@ class Stage3:
         self.state.placement.settle_all()
 
     def before_forward(self) -> None:
-        """Nothing: each group settles its shards when the forward gathers (or uses) it."""
-        return None
+        """The persistent group's deferred write-back (one rank), for a forward whose modules are
+        not groups; each group settles its own shards (and the persistent ones) when the forward
+        gathers (or uses) it."""
+        if self._persistent:
+            settle = self.state.placement.settle
+            for index in self._persistent:
+                settle(index)
 
     def zero_grad(self) -> None:
         for g in self.groups:
@@ -156,3 +180,11 @@ class Stage3:
 
     def group_of(self, p: torch.nn.Parameter) -> ParamGroup | None:
         return getattr(p, "_zerorun_group", None)
+
+
+def _settle_after(settle: Callable[[int], None], first: tuple[int, ...], index: int) -> None:
+    """``settle`` the persistent group's buffers ``first``, then flat buffer ``index`` (a group's
+    read: its modules read persistent parameters too)."""
+    for i in first:
+        settle(i)
+    settle(index)
