@@ -100,6 +100,10 @@ run offload_narrow 60 env ZERORUN_BACKEND=nccl \
 run exact_overlap 120 env ZERORUN_BACKEND=gloo \
   "${PYTEST[@]}" tests/runtime/test_offload_exact_overlap.py \
   --junitxml="$OUT/exact_overlap.xml"
+# 2b-iv. stage 3's persistent group (norms, biases) deferred at one rank: step() returns with its
+#        write-back in flight (a held worker proves it), readers wait for it.
+run s3_persistent 60 env ZERORUN_BACKEND=gloo \
+  "${PYTEST[@]}" tests/runtime/test_offload_s3_persistent.py --junitxml="$OUT/s3_persistent.xml"
 # 2c. ZenFlow against its reference (world 1 and 2 ranks sharing the GPU, a checkpoint saved
 #     mid-interval) and wall_clock_breakdown's offload sub-phases (copy-stream timing events).
 run zenflow_breakdown 150 env ZERORUN_BACKEND=gloo \
