@@ -59,6 +59,13 @@ STEP_BYTES: dict[str, dict[str, Any]] = {
         "what": "H2D of the updated fp32 master tile (DMA read); cast to bf16 on the GPU, no CPU pass",
     },
 }
+# The same with the gradient exactly bf16 (runtime/offload/options.narrow_grads: one rank, one
+# micro-step, no clipping): copied down as bf16 and widened inside zerorun's kernel (cpu_kernel.py).
+NARROW_STEP_BYTES: dict[str, dict[str, Any]] = {
+    **STEP_BYTES,
+    "gradient_down": {"bytes": 2, "what": "D2H of the gradient cast to bf16 on the GPU (exact: it holds bf16 values)"},
+    "adam_read": {"bytes": 14, "what": "zerorun's CPU kernel reads master, m, v (fp32) and the bf16 gradient"},
+}
 ADAM_MIN_BYTES = 28  # read p, g, m, v + write p, m, v
 
 
@@ -510,6 +517,10 @@ def main() -> None:
         "stream_best_GBps": peak,
         "dma_contention": dma,
         "offloaded_step_bytes_per_element": {**STEP_BYTES, "total": step_total},
+        "offloaded_step_bytes_per_element_bf16_gradient": {
+            **NARROW_STEP_BYTES,
+            "total": sum(x["bytes"] for x in NARROW_STEP_BYTES.values()),
+        },
         # The exact offloaded step's host traffic at the best STREAM bandwidth: its floor.
         "floor_s_per_G_elements": step_total / peak,
         "command": " ".join(["python", "benchmarks/cpu_step_bandwidth.py", *sys.argv[1:]]),

@@ -65,7 +65,19 @@ def _sort_key(r: dict[str, Any]) -> tuple[int, int]:
 
 def _label(r: dict[str, Any]) -> str:
     rep = int(r.get("repeat", 1))
-    return f"{r['config']} (run {rep})" if rep > 1 else str(r["config"])
+    label = f"{r['config']} (run {rep})" if rep > 1 else str(r["config"])
+    override = _override(r)
+    return f"{label} + `{override}`" if override else label
+
+
+def _override(r: dict[str, Any]) -> str | None:
+    """The run's ``--zerorun-override`` (a config change for an experiment), if any."""
+    if r.get("zerorun_override"):
+        return str(r["zerorun_override"])
+    argv = [str(a) for a in r.get("launch_argv") or []]
+    if "--zerorun-override" in argv[:-1]:
+        return argv[argv.index("--zerorun-override") + 1]
+    return None
 
 
 def _ok(r: dict[str, Any] | None) -> bool:

@@ -323,3 +323,12 @@ def test_memory_band_check() -> None:
     assert not above["within"] and above["max_abs_deviation"] == pytest.approx(10 / 120)
     below = memory_model.band_check([96.0], formula=100.0, buffers=0.0)
     assert below["within"] and below["deviation_from_band_per_rank"] == [pytest.approx(-0.04)]
+
+
+def test_report_labels_a_config_override() -> None:
+    """A run with --zerorun-override is an experiment: its rows say so (the record keeps the
+    override in its launch argv)."""
+    rec = {"config": "zero2_offload_opt", "launch_argv": ["x", "--zerorun-override", '{"zerorun": {"a": 1}}']}
+    assert report._label(rec) == 'zero2_offload_opt + `{"zerorun": {"a": 1}}`'
+    assert report._label({"config": "zero2", "launch_argv": ["x", "--size", "1.3B"]}) == "zero2"
+    assert report._label({"config": "zero2", "repeat": 2}) == "zero2 (run 2)"
