@@ -19,6 +19,7 @@ import threading
 import traceback
 from typing import Any
 
+import _models
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -31,16 +32,6 @@ VOCAB, DIM, BLOCKS, STEPS, HELD_STEP = 40, 24, 4, 4, 2
 HOLD_S = 60.0
 
 
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(DIM)
-        self.mlp = nn.Linear(DIM, DIM)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + F.gelu(self.mlp(self.norm(x)))
-
-
 class Net(nn.Module):
     """Embedding, repeated blocks (optionally recomputed in the backward: activation
     checkpointing runs their forward hooks again), a head tied to the embedding."""
@@ -49,7 +40,7 @@ class Net(nn.Module):
         super().__init__()
         self.recompute = recompute
         self.emb = nn.Embedding(VOCAB, DIM)
-        self.blocks = nn.ModuleList(Block() for _ in range(BLOCKS))
+        self.blocks = nn.ModuleList(_models.ResidualBlock(DIM) for _ in range(BLOCKS))
         self.head = nn.Linear(DIM, VOCAB, bias=False)
         self.head.weight = self.emb.weight
 

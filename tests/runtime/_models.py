@@ -45,6 +45,18 @@ class TinyNet(nn.Module):
         return F.cross_entropy(logits.float().view(-1, VOCAB), targets.view(-1))
 
 
+class ResidualBlock(nn.Module):
+    """A pre-norm residual MLP block (the workers that build small transformers repeat it)."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.mlp = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + F.gelu(self.mlp(self.norm(x)))
+
+
 def make_model(seed: int) -> TinyNet:
     torch.manual_seed(seed)
     return TinyNet()

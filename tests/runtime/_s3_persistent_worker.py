@@ -16,6 +16,7 @@ import time
 import traceback
 from typing import Any
 
+import _models
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -27,21 +28,11 @@ VOCAB, DIM, BLOCKS, STEPS, HELD_STEP = 40, 24, 3, 4, 2
 RELEASE_AFTER_S = 0.3
 
 
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(DIM)
-        self.mlp = nn.Linear(DIM, DIM)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + F.gelu(self.mlp(self.norm(x)))
-
-
 class Net(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.emb = nn.Embedding(VOCAB, DIM)
-        self.blocks = nn.ModuleList(Block() for _ in range(BLOCKS))
+        self.blocks = nn.ModuleList(_models.ResidualBlock(DIM) for _ in range(BLOCKS))
         self.norm = nn.LayerNorm(DIM)
         self.head = nn.Linear(DIM, VOCAB)
 
