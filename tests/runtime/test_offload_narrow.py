@@ -139,3 +139,26 @@ def test_bf16_wire_trains_as_the_fp32_wire(runs: dict, name: str) -> None:
     assert r["wire"] == [["torch.bfloat16"], ["torch.float32"]], r["wire"]
     assert r["losses"][0] == r["losses"][1]
     assert r["bitwise"], r["master_diff"]
+
+
+def test_kernel_serves_concurrent_callers() -> None:
+    """Two workers (two engines in one process) stepping at once, with different thread counts:
+    each gets torch's numbers."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    k = _kernel()
+    k.mode = "threads"
+    n = 1 << 18
+
+    def one(threads: int) -> bool:
+        torch.manual_seed(threads)
+        p, g, m, v = torch.randn(n), torch.randn(n), torch.zeros(n), torch.zeros(n)
+        b = [t.clone() for t in (p, m, v)]
+        for step in range(1, 6):
+            k.step(p, g, m, v, step=float(step), lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1,
+                   decoupled=True, maximize=False, threads=threads)
+            _torch_step(b[0], g, b[1], b[2], step, True, False, 0.1)
+        return all(torch.equal(x, y) for x, y in zip((p, m, v), b, strict=True))
+
+    with ThreadPoolExecutor(2) as pool:
+        assert all(pool.map(one, [3, 4, 3, 4]))

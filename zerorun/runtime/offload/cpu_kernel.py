@@ -111,8 +111,10 @@ class AdamKernel:
         # spin between calls. ZERORUN_CPU_KERNEL=omp|threads picks one (benchmarks).
         mode = os.environ.get("ZERORUN_CPU_KERNEL", "threads")
         self.mode = mode if mode in ("omp", "threads") else "threads"
-        self._pool: ThreadPoolExecutor | None = None
-        self._pool_size = 0
+        # One pool per size, kept for the process (two engines' workers may call at once; a
+        # pool is never shut down under a caller).
+        self._pools: dict[int, ThreadPoolExecutor] = {}
+        self._pools_lock = threading.Lock()
 
     def step(
         self,
@@ -173,12 +175,11 @@ class AdamKernel:
             f.result()
 
     def _threads(self, size: int) -> ThreadPoolExecutor:
-        if self._pool is None or self._pool_size != size:
-            if self._pool is not None:
-                self._pool.shutdown(wait=True)
-            self._pool = ThreadPoolExecutor(size, thread_name_prefix="zerorun-adam")
-            self._pool_size = size
-        return self._pool
+        with self._pools_lock:
+            pool = self._pools.get(size)
+            if pool is None:
+                pool = self._pools[size] = ThreadPoolExecutor(size, thread_name_prefix="zerorun-adam")
+            return pool
 
 
 def _cache_dir() -> Path:
