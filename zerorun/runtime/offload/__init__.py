@@ -11,6 +11,7 @@ at-rest parameter shards on the host. See docs/offload.md.
     adam.py            the fused CPU Adam/AdamW update of one tile
     runner.py          the worker thread the CPU step runs on (its own thread count)
     host_placement.py  HostPlacement: D2H of gradients | tiled CPU step | H2D of parameters
+    early_step.py      its base EarlyStep: what starts in backward (early step, deferred write-backs)
     dpu.py             the optional one-step delayed parameter update
     cpu.py             masters and states in host memory
     nvme.py            masters and states in files, stepped in tiles with read-ahead
