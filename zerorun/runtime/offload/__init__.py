@@ -8,7 +8,8 @@ at-rest parameter shards on the host. See docs/offload.md.
 
     options.py         the config keys, resolved once (OffloadOptions)
     host.py            host buffers (pinned or not), device<->host copies on side streams, tiles
-    adam.py            the fused CPU Adam/AdamW update of one tile
+    adam.py            the CPU Adam/AdamW update of one tile
+    cpu_kernel.py      zerorun's one-pass CPU Adam(W) kernel (bf16 or fp32 gradient; a thread pool)
     runner.py          the worker thread the CPU step runs on (its own thread count)
     host_placement.py  HostPlacement: D2H of gradients | tiled CPU step | H2D of parameters
     early_step.py      its base EarlyStep: what starts in backward (early step, deferred write-backs)
