@@ -162,3 +162,25 @@ def test_kernel_serves_concurrent_callers() -> None:
 
     with ThreadPoolExecutor(2) as pool:
         assert all(pool.map(one, [3, 4, 3, 4]))
+
+
+def test_ranks_of_one_node_build_the_kernel_at_once(tmp_path: Path) -> None:
+    """Four processes with an empty cache start at the same moment (the ranks of one node): each
+    gets a working kernel, and the cache holds one whole library, no temporary files."""
+    import subprocess
+    import sys
+
+    _kernel()
+    code = (
+        "import torch; from zerorun.runtime.offload import cpu_kernel; k = cpu_kernel.load(); "
+        "p = torch.zeros(4); k.step(p, torch.ones(4), torch.zeros(4), torch.zeros(4), step=1.0, lr=0.1, "
+        "beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, decoupled=True, maximize=False, threads=1); "
+        "print(p.tolist())"
+    )
+    env = {**os.environ, "ZERORUN_CACHE_DIR": str(tmp_path)}
+    procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True) for _ in range(4)]
+    outs = [p.communicate(timeout=120)[0].strip() for p in procs]
+    assert all(p.returncode == 0 for p in procs)
+    assert len(set(outs)) == 1 and outs[0].startswith("[-0.0999")  # Adam's first step: -lr * sign(grad)
+    files = sorted(f.name for f in (tmp_path / "kernels").iterdir())
+    assert len(files) == 1 and files[0].endswith(".so"), files
