@@ -90,11 +90,9 @@ def test_cache_dir_that_cannot_be_written_means_no_kernel(tmp_path: Path, monkey
     (tmp_path / "file").write_text("")
     monkeypatch.setenv("ZERORUN_CACHE_DIR", str(tmp_path / "file"))  # a file: no directory under it
     cpu_kernel.reset()
-    cpu_kernel._loaded.clear()
     assert cpu_kernel.load() is None
     monkeypatch.delenv("ZERORUN_CACHE_DIR")
     cpu_kernel.reset()
-    cpu_kernel._loaded.clear()
 
 
 @pytest.mark.parametrize(

@@ -31,6 +31,7 @@ the same gradient both kernels give bitwise the same master, m and v (a test).
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import shutil
@@ -90,8 +91,6 @@ ADAM(zerorun_adam_f32_grad, float, widen_f32)
 _FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC"]
 _MIN_SPLIT = 1 << 16  # elements: below this one thread does the whole call
 _lock = threading.Lock()
-_loaded: dict[str, AdamKernel | None] = {}  # by source/flags/compiler/CPU key
-_current: list[AdamKernel | None] = []  # load()'s answer for this process, once known
 
 
 class AdamKernel:
@@ -212,19 +211,16 @@ def _build(compiler: str, out: Path) -> None:
         os.replace(lib, out)
 
 
+@functools.cache
 def load() -> AdamKernel | None:
     """The kernel, built on first use (cached per machine and source); None when disabled
     (``ZERORUN_CPU_KERNEL=0``) or when it cannot be built here. Decided once per process (the
     tile loop asks for every tile); ``reset()`` forgets the answer."""
-    if _current:
-        return _current[0]
-    kernel = _find()
-    _current[:] = [kernel]
-    return kernel
+    return _find()
 
 
 def reset() -> None:
-    _current.clear()
+    load.cache_clear()
 
 
 def _find() -> AdamKernel | None:
@@ -234,16 +230,11 @@ def _find() -> AdamKernel | None:
     if compiler is None:
         return None
     key = hashlib.sha256("\0".join([SOURCE, *_FLAGS, compiler, _cpu_id()]).encode()).hexdigest()[:16]
-    with _lock:
-        if key in _loaded:
-            return _loaded[key]
-        path = _cache_dir() / f"adam_bf16_grad_{key}.so"
-        kernel: AdamKernel | None
-        try:
+    path = _cache_dir() / f"adam_{key}.so"
+    try:
+        with _lock:  # (threads of one process; processes are kept apart by _build's rename)
             if not path.exists():
                 _build(compiler, path)
-            kernel = AdamKernel(ctypes.CDLL(str(path)), path)
-        except (OSError, subprocess.SubprocessError):
-            kernel = None
-        _loaded[key] = kernel
-        return kernel
+        return AdamKernel(ctypes.CDLL(str(path)), path)
+    except (OSError, subprocess.SubprocessError):
+        return None

@@ -52,6 +52,7 @@ import torch
 from torch.optim import Optimizer
 
 from zerorun.runtime.observe.timers import PhaseSource
+from zerorun.runtime.offload import cpu_kernel
 from zerorun.runtime.offload.adam import AdamHyper, adam_tile, ensure_state, hyper_of, supports_tiles
 from zerorun.runtime.offload.dpu import CopyWindow, DelayPolicy
 from zerorun.runtime.offload.early_step import EarlyStep, pick_next
@@ -178,8 +179,6 @@ class HostPlacement(EarlyStep):
 
     @staticmethod
     def _kernel_ready() -> bool:
-        from zerorun.runtime.offload import cpu_kernel
-
         if cpu_kernel.load() is not None:
             return True
         warn_once(

@@ -36,7 +36,7 @@ from zerorun.runtime.stage3.param_store import DeviceParamStore, ParamShardStore
 from zerorun.runtime.stage3.schedule import Schedule
 from zerorun.runtime.stage3.stage import Stage3
 
-__all__ = ["build_stage3", "full_values", "master_home"]
+__all__ = ["build_stage3", "full_values"]
 
 _ONE_BUFFER = 1 << 62  # a group is one flat buffer per optimizer param group, whatever its size
 
@@ -65,13 +65,6 @@ def _fp32_shards(
             del values
         out.append(shard)
     return out
-
-
-def master_home(placement: ShardPlacement) -> torch.device:
-    """Where stage 3 cuts the fp32 initial values of the master shards: where the placement keeps
-    its masters (a Twin-Flow master kept on the device is copied up from there, one group at a
-    time)."""
-    return placement.optimizer_device
 
 
 def _init_of(fp32: list[torch.Tensor], i: int) -> Callable[[], torch.Tensor]:
@@ -152,7 +145,9 @@ def build_stage3(
         planned.append((layouts, [[by_name[s.name] for s in layout.slots] for layout in layouts]))
         layouts_all.extend(layouts)
     placement.plan([layout.shard_numel for layout in layouts_all], layouts_all, rank)
-    home = master_home(placement)
+    # The fp32 initial values are cut where the placement keeps its masters (a Twin-Flow master
+    # kept on the device is copied up from there, one group at a time).
+    home = placement.optimizer_device
     masters: list[torch.Tensor] = []
     groups: list[ParamGroup] = []
     with torch.no_grad():
