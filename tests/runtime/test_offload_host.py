@@ -4,6 +4,8 @@ rounds to powers of two, so large offload buffers are registered at their own si
 from __future__ import annotations
 
 import gc
+import mmap
+import os
 
 import pytest
 import torch
@@ -82,3 +84,54 @@ def test_registered_buffer_waits_for_a_copy_in_flight_before_it_is_unpinned() ->
     del t
     gc.collect()
     assert done.query()  # the copy had landed before the pages were unpinned
+
+
+def _vma_of(ptr: int) -> dict[str, str]:
+    """The /proc/self/smaps fields of the mapping holding ``ptr``."""
+    fields: dict[str, str] = {}
+    inside = False
+    for line in open("/proc/self/smaps").read().splitlines():
+        head = line.split()[0] if line else ""
+        if "-" in head and ":" not in head:
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= ptr < hi
+            if inside:
+                fields["perms"] = line.split()[1]
+        elif inside and ":" in line:
+            key, value = line.split(":", 1)
+            fields[key] = value.strip()
+    return fields
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="Linux /proc")
+@pytest.mark.parametrize("huge", [False, True])
+def test_mapped_buffers_are_private_zeroed_and_huge_when_asked(huge: bool) -> None:
+    n = (4 << 20) + 5  # 16 MB and a little: several huge pages, not a whole number of them
+    buf, t = host.mapped_empty(n, torch.float32, huge=huge)
+    assert t.numel() == n and not t.any()
+    t.fill_(1.0)
+    vma = _vma_of(t.data_ptr())
+    # MAP_PRIVATE: a shared anonymous mapping (mmap.mmap's default) is shmem, never THP-backed
+    assert vma["perms"].endswith("p")
+    if huge:
+        assert t.data_ptr() % (2 << 20) == 0
+        thp = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+        if "[never]" not in thp:
+            assert vma["THPeligible"] == "1"
+    del t, buf
+    gc.collect()
+
+
+def test_huge_pages_follow_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ZERORUN_HUGEPAGES", "0")
+    assert not host.huge_pages()
+    monkeypatch.setenv("ZERORUN_HUGEPAGES", "1")
+    assert host.huge_pages() == hasattr(mmap, "MADV_HUGEPAGE")
+
+
+def test_registered_huge_buffer_registers_the_aligned_pages() -> None:
+    log: list[tuple[int, int]] = []
+    t = host.registered_empty(
+        (2 << 20) // 4 + 1, torch.float32, lambda p, n: log.append((p, n)) or True, lambda p: None, huge=True
+    )
+    assert t is not None and log == [(t.data_ptr(), (2 << 20) + 4096)] and t.data_ptr() % (2 << 20) == 0

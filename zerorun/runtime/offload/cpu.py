@@ -30,7 +30,8 @@ class CpuPlacement(HostPlacement):
         return master
 
     def _state_tensor(self, index: int, key: str) -> torch.Tensor:
-        return torch.zeros_like(self.masters[index])
+        # m and v: lasting, never copied (not pinned), streamed by every step (huge pages)
+        return host_empty(self.masters[index].numel(), torch.float32, pin=False, lasting=True).zero_()
 
     def _tile_views(self, job: StepJob, indices: list[int]) -> Iterator[TileView]:
         for i in indices:

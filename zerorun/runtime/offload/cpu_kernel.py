@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["AdamKernel", "load", "reset", "SOURCE"]
+__all__ = ["AdamKernel", "load", "reset", "pool_cores", "SOURCE"]
 
 SOURCE = r"""
 #include <stdint.h>
@@ -177,8 +177,37 @@ class AdamKernel:
         with self._pools_lock:
             pool = self._pools.get(size)
             if pool is None:
-                pool = self._pools[size] = ThreadPoolExecutor(size, thread_name_prefix="zerorun-adam")
+                cores = pool_cores(size)
+                init = None if cores is None else functools.partial(_pin_thread, iter(cores), threading.Lock())
+                pool = self._pools[size] = ThreadPoolExecutor(size, thread_name_prefix="zerorun-adam", initializer=init)
             return pool
+
+
+def pool_cores(size: int) -> list[int] | None:
+    """The cores a pool of ``size`` threads is pinned to, one each (``ZERORUN_CPU_PIN=1``): the
+    last ``size`` of the cores this process may use, so the first stay with the threads that
+    are not pinned (the caller, which runs a chunk itself, and the training thread). None when
+    pinning is off, or when this process may not use more cores than the pool (nothing to
+    keep apart) -- or when it shares its cores with other ranks on the node (LOCAL_WORLD_SIZE
+    above 1 and no affinity of its own): two ranks' pools would be pinned to the same cores."""
+    if os.environ.get("ZERORUN_CPU_PIN", "0") != "1" or not hasattr(os, "sched_getaffinity"):
+        return None
+    allowed = sorted(os.sched_getaffinity(0))
+    local = os.environ.get("LOCAL_WORLD_SIZE", "1")
+    if len(allowed) <= size or (local not in ("", "1") and len(allowed) >= (os.cpu_count() or 0)):
+        return None
+    return allowed[-size:]
+
+
+def _pin_thread(cores: Any, lock: threading.Lock) -> None:
+    """Pool thread initializer: this thread (pid 0: the caller) on the next core of ``cores``."""
+    with lock:
+        core = next(cores, None)
+    if core is not None:
+        try:
+            os.sched_setaffinity(0, {core})
+        except OSError:
+            pass
 
 
 def _cache_dir() -> Path:

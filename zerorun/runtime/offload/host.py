@@ -17,6 +17,7 @@ On the CPU every copy is synchronous and events are ``None``.
 from __future__ import annotations
 
 import mmap
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -25,7 +26,7 @@ import torch
 
 from zerorun.runtime.observe.timers import Mark, Stamp
 
-__all__ = ["Copier", "host_empty", "registered_empty", "tiles", "EXACT_PIN_MIN_BYTES"]
+__all__ = ["Copier", "host_empty", "registered_empty", "mapped_empty", "huge_pages", "tiles", "EXACT_PIN_MIN_BYTES"]
 
 
 # Page-locked buffers at least this large are allocated at their exact size (below). PyTorch's
@@ -71,20 +72,57 @@ def _cudart_unregister(ptr: int, device: int | None = None) -> object:
         return None
 
 
+_HUGE = 2 * 1024**2  # a transparent huge page (x86-64, and arm64 with 4 KB base pages)
+
+
+def huge_pages() -> bool:
+    """Back the lasting host buffers with transparent huge pages (``ZERORUN_HUGEPAGES``, default
+    on)? The CPU step streams master, gradient, m and v through memory; with 4 KB pages every
+    4 KB of each stream is a TLB miss and a boundary the hardware prefetcher stops at. Where
+    THP is ``madvise`` (the usual default) memory is huge only when asked for."""
+    return os.environ.get("ZERORUN_HUGEPAGES", "1") != "0" and hasattr(mmap, "MADV_HUGEPAGE")
+
+
+def mapped_empty(numel: int, dtype: torch.dtype, *, huge: bool) -> tuple[mmap.mmap, torch.Tensor]:
+    """A 1-D tensor over fresh anonymous memory (zeros) of whole pages; with ``huge`` the mapping
+    is 2 MB-aligned and advised MADV_HUGEPAGE before it is touched, so the kernel can back it
+    with huge pages. The tensor holds the mapping (its storage's buffer)."""
+    size = max(numel * torch.empty((), dtype=dtype).element_size(), 1)
+    size = -(-size // mmap.PAGESIZE) * mmap.PAGESIZE
+    # Private: a bare mmap.mmap(-1, n) is MAP_SHARED, i.e. shmem, which THP leaves alone
+    # (shmem_enabled, "never" by default).
+    flags = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
+    buf = _RegisteredBuffer(-1, size + (_HUGE if huge else 0), flags=flags) if flags else _RegisteredBuffer(-1, size)
+    offset = 0
+    if huge:
+        base = torch.frombuffer(buf, dtype=torch.uint8, count=1).data_ptr()
+        offset = -base % _HUGE
+        try:
+            buf.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:  # THP "never", or a kernel without it: 4 KB pages, nothing else changes
+            pass
+    t = torch.frombuffer(buf, dtype=dtype, count=numel, offset=offset) if numel else torch.empty(0, dtype=dtype)
+    return buf, t
+
+
 def registered_empty(
     numel: int,
     dtype: torch.dtype,
     register: Callable[[int, int], bool] = _cudart_register,
     unregister: Callable[[int], object] = _cudart_unregister,
+    *,
+    huge: bool = False,
 ) -> torch.Tensor | None:
     """A 1-D host tensor of exactly ``numel`` elements (rounded up to whole pages) page-locked
     by ``register``; None when registering fails (the caller falls back)."""
-    nbytes = max(numel * torch.empty((), dtype=dtype).element_size(), 1)
-    buf = _RegisteredBuffer(-1, -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE)
-    t = torch.frombuffer(buf, dtype=dtype, count=numel) if numel else torch.empty(0, dtype=dtype)
-    ptr = t.data_ptr() if numel else 0
-    if not numel or not register(ptr, len(buf)):
+    if not numel:
         return None
+    buf, t = mapped_empty(numel, dtype, huge=huge)
+    ptr = t.data_ptr()
+    nbytes = -(-t.numel() * t.element_size() // mmap.PAGESIZE) * mmap.PAGESIZE
+    if not register(ptr, nbytes):
+        return None
+    assert isinstance(buf, _RegisteredBuffer)
     buf._ptr, buf._unregister = ptr, unregister
     return t
 
@@ -95,13 +133,18 @@ def host_empty(numel: int, dtype: torch.dtype, *, pin: bool, lasting: bool = Fal
     ``ulimit -l``). A ``lasting`` buffer (kept for the run: masters, gradients, staging,
     parameter shards) of EXACT_PIN_MIN_BYTES or more takes exactly its size; short-lived ones
     use PyTorch's caching pinned allocator (registering memory costs time on every allocation)."""
+    large = lasting and numel * torch.empty((), dtype=dtype).element_size() >= EXACT_PIN_MIN_BYTES
     if pin and torch.cuda.is_available():
-        if lasting and numel * torch.empty((), dtype=dtype).element_size() >= EXACT_PIN_MIN_BYTES:
+        if large:
             device = torch.cuda.current_device()  # the context the pages are registered in
-            exact = registered_empty(numel, dtype, unregister=lambda ptr: _cudart_unregister(ptr, device))
+            exact = registered_empty(
+                numel, dtype, unregister=lambda ptr: _cudart_unregister(ptr, device), huge=huge_pages()
+            )
             if exact is not None:
                 return exact
         return torch.empty(numel, dtype=dtype, pin_memory=True)
+    if large and huge_pages():
+        return mapped_empty(numel, dtype, huge=True)[1]
     return torch.empty(numel, dtype=dtype)
 
 
