@@ -6,7 +6,8 @@ host memory. This benchmark times zerorun's CPU kernel (``runtime/offload/cpu_ke
 round, on buffers allocated the way offload allocates them (``host.mapped_empty``):
 
 * ``pages``: 4 KB pages, or transparent huge pages (2 MB, ``MADV_HUGEPAGE``: ``ZERORUN_HUGEPAGES``);
-* ``pin``: the pool's threads free, or each pinned to a core of its own (``ZERORUN_CPU_PIN``);
+* ``pin``: the pool's threads free, or each pinned to a core of its own (``ZERORUN_CPU_PIN=1``
+  in this process's environment: the pool's threads are made, and pinned, once per process);
 * ``load``: the step alone; beside a Python thread that keeps the GIL busy (the training thread
   launching the next forward); beside pinned host->device copies from a large buffer (the
   parameter write-backs: every byte from DRAM) or from a small one that stays in the last-level
@@ -15,7 +16,8 @@ round, on buffers allocated the way offload allocates them (``host.mapped_empty`
 It also records the machine's THP policy, the CPU and its last-level cache, and how much of each
 allocation the kernel backed with huge pages (``AnonHugePages`` of the mapping).
 
-    python benchmarks/host_pages_ab.py --numel 256M --threads 15 --out results.json
+    python benchmarks/host_pages_ab.py --numel 268435456 --out results.json
+    ZERORUN_CPU_PIN=1 python benchmarks/host_pages_ab.py --numel 268435456 --out pinned.json
 """
 
 from __future__ import annotations
@@ -135,7 +137,8 @@ def main() -> None:
         dma = {"big": lambda: copies(big), "small": lambda: copies(small)}
 
     loads = ["alone", "busy"] + [f"dma_{k}" for k in dma]
-    variants = [(pages, pin, load) for pages in ("4k", "huge") for pin in ("0", "1") for load in loads]
+    pin = "1" if kernel.pinned else "0"
+    variants = [(pages, pin, load) for pages in ("4k", "huge") for load in loads]
     step = [0]
 
     def run(pages: str) -> None:
@@ -147,21 +150,13 @@ def main() -> None:
                         beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.01, decoupled=True, maximize=False,
                         threads=threads)  # fmt: skip
 
-    def set_pin(pin: str) -> None:
-        if os.environ.get("ZERORUN_CPU_PIN") != pin:
-            os.environ["ZERORUN_CPU_PIN"] = pin
-            for pool in kernel._pools.values():
-                pool.shutdown()
-            kernel._pools.clear()
-
     times: dict[tuple[str, str, str], list[float]] = {v: [] for v in variants}
     dma_rate: dict[tuple[str, str, str], list[float]] = {v: [] for v in variants}
     for pages in arrays:
         run(pages)  # warm-up: pool threads, first touch done above
     for r in range(args.rounds):
         for v in variants if r % 2 == 0 else list(reversed(variants)):
-            pages, pin, load = v
-            set_pin(pin)
+            pages, _, load = v
             stop.clear()
             th = None
             if load != "alone":
@@ -196,6 +191,7 @@ def main() -> None:
         "machine": machine(),
         "numel": n,
         "threads": threads,
+        "pinned_cores": kernel.pinned,
         "rounds": args.rounds,
         "torch": torch.__version__,
         "huge_bytes_per_array": {k: v["huge_bytes"] for k, v in arrays.items()},

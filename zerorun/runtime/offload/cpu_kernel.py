@@ -14,9 +14,12 @@ OpenMP region per call with a static split: each thread gets 1/N of the tile, so
 preempted by the training thread (running the next forward beside the step) holds up the
 whole tile. Measured on the H200 host (benchmarks/results/gpu_runs/20261201T2254Z-h200-e5ed858):
 the CPU update took 0.54 s per step at stage 2 with torch's kernel or this one under OpenMP,
-0.35 s with this one on a pool (the same run, the same machine). The pool's threads take the
-chunks from one queue -- a preempted thread simply takes fewer -- and sleep between calls
-instead of spinning. ``ZERORUN_CPU_KERNEL=omp`` selects the OpenMP split (benchmarks).
+0.35 s with this one on a pool. The pool's threads claim small chunks of the tile from one
+counter -- a preempted thread simply takes fewer -- and sleep between calls instead of
+spinning. They are C threads: a pool of Python threads (each chunk handed over through the
+GIL) ran 19x slower beside a Python thread that keeps the GIL busy, as the training thread
+does (benchmarks/results/host_pages_ab_h200_eee635d.json, "busy"). ``ZERORUN_CPU_KERNEL=omp``
+selects the OpenMP split (benchmarks); ``ZERORUN_CPU_PIN=1`` pins the pool's threads to cores.
 
 The C source is built once per machine with the system C compiler (``cc``, tuned for this CPU)
 into a cache directory and loaded with ctypes; calls release the GIL. Without a compiler, or
@@ -38,18 +41,22 @@ import shutil
 import subprocess
 import tempfile
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from zerorun.runtime.offload.options import cores_per_rank
+
 __all__ = ["AdamKernel", "load", "reset", "pool_cores", "SOURCE"]
 
 SOURCE = r"""
+#define _GNU_SOURCE
 #include <stdint.h>
 #include <string.h>
 #include <math.h>
+#include <pthread.h>
+#include <sched.h>
 
 static inline float widen_bf16(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;
@@ -60,35 +67,194 @@ static inline float widen_bf16(uint16_t h) {
 
 static inline float widen_f32(float x) { return x; }
 
-/* One Adam(W) update of n elements in place, the gradient in bf16 (G = uint16_t, widened here) or
-   fp32. mode 0: Adam (L2 weight decay added to the gradient), 1: AdamW (decoupled). The scalars
-   come rounded from double, as in torch. */
-#define ADAM(NAME, G, WIDEN)                                                                    \
-void NAME(float *restrict p, const G *restrict g, float *restrict m, float *restrict v,       \
-          int64_t n, float one_minus_beta1, float beta2, float one_minus_beta2, float eps,       \
-          float weight_decay, float decay, int mode, int maximize, float step_size,             \
-          float bias_correction2_sqrt, int threads) {                                           \
-    _Pragma("omp parallel for num_threads(threads) schedule(static)")                          \
-    for (int64_t i = 0; i < n; ++i) {                                                           \
-        float grad = WIDEN(g[i]);                                                               \
-        if (maximize) grad = -grad;                                                             \
-        float param = p[i];                                                                     \
-        if (mode == 0) grad = fmaf(param, weight_decay, grad);                                  \
-        else param = param * decay;                                                             \
-        float ea = fmaf(one_minus_beta1, grad - m[i], m[i]);                                    \
-        float eas = fmaf(grad * one_minus_beta2, grad, v[i] * beta2);                           \
-        m[i] = ea;                                                                              \
-        v[i] = eas;                                                                             \
-        float denom = sqrtf(eas) / bias_correction2_sqrt + eps;                                 \
-        p[i] = param - (step_size * ea) / denom;                                                \
-    }                                                                                           \
+/* One Adam(W) update of elements [lo, hi) in place, the gradient in bf16 (G = uint16_t, widened
+   here) or fp32. mode 0: Adam (L2 weight decay added to the gradient), 1: AdamW (decoupled). The
+   scalars come rounded from double, as in torch. */
+typedef struct {
+    float one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay, decay, step_size, bias_correction2_sqrt;
+    int mode, maximize;
+} hyper_t;
+
+#define ADAM_RANGE(NAME, G, WIDEN)                                                              \
+static void NAME(float *restrict p, const G *restrict g, float *restrict m, float *restrict v, \
+                 int64_t lo, int64_t hi, const hyper_t *h) {                                   \
+    const float one_minus_beta1 = h->one_minus_beta1, beta2 = h->beta2;                        \
+    const float one_minus_beta2 = h->one_minus_beta2, eps = h->eps;                            \
+    const float weight_decay = h->weight_decay, decay = h->decay, step_size = h->step_size;     \
+    const float bias_correction2_sqrt = h->bias_correction2_sqrt;                              \
+    const int mode = h->mode, maximize = h->maximize;                                          \
+    for (int64_t i = lo; i < hi; ++i) {                                                        \
+        float grad = WIDEN(g[i]);                                                              \
+        if (maximize) grad = -grad;                                                            \
+        float param = p[i];                                                                    \
+        if (mode == 0) grad = fmaf(param, weight_decay, grad);                                 \
+        else param = param * decay;                                                            \
+        float ea = fmaf(one_minus_beta1, grad - m[i], m[i]);                                   \
+        float eas = fmaf(grad * one_minus_beta2, grad, v[i] * beta2);                          \
+        m[i] = ea;                                                                             \
+        v[i] = eas;                                                                            \
+        float denom = sqrtf(eas) / bias_correction2_sqrt + eps;                                \
+        p[i] = param - (step_size * ea) / denom;                                               \
+    }                                                                                          \
 }
 
-ADAM(zerorun_adam_bf16_grad, uint16_t, widen_bf16)
-ADAM(zerorun_adam_f32_grad, float, widen_f32)
+ADAM_RANGE(adam_bf16_range, uint16_t, widen_bf16)
+ADAM_RANGE(adam_f32_range, float, widen_f32)
+
+static void adam_range(int bf16, void *p, const void *g, void *m, void *v, int64_t lo, int64_t hi,
+                       const hyper_t *h) {
+    if (bf16) adam_bf16_range(p, g, m, v, lo, hi, h);
+    else adam_f32_range(p, g, m, v, lo, hi, h);
+}
+
+static void fill_hyper(hyper_t *h, float one_minus_beta1, float beta2, float one_minus_beta2, float eps,
+                       float weight_decay, float decay, int mode, int maximize, float step_size,
+                       float bias_correction2_sqrt) {
+    h->one_minus_beta1 = one_minus_beta1; h->beta2 = beta2; h->one_minus_beta2 = one_minus_beta2;
+    h->eps = eps; h->weight_decay = weight_decay; h->decay = decay; h->mode = mode;
+    h->maximize = maximize; h->step_size = step_size; h->bias_correction2_sqrt = bias_correction2_sqrt;
+}
+
+/* The OpenMP split (ZERORUN_CPU_KERNEL=omp): one parallel region per call, static. */
+void zerorun_adam_omp(int bf16, void *p, const void *g, void *m, void *v, int64_t n,
+                      float one_minus_beta1, float beta2, float one_minus_beta2, float eps,
+                      float weight_decay, float decay, int mode, int maximize, float step_size,
+                      float bias_correction2_sqrt, int threads) {
+    hyper_t h;
+    fill_hyper(&h, one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay, decay, mode, maximize,
+               step_size, bias_correction2_sqrt);
+    #pragma omp parallel num_threads(threads)
+    {
+        int64_t t = 0, nt = 1;
+#ifdef _OPENMP
+        extern int omp_get_thread_num(void);
+        extern int omp_get_num_threads(void);
+        t = omp_get_thread_num();
+        nt = omp_get_num_threads();
+#endif
+        int64_t per = (n + nt - 1) / nt;
+        int64_t lo = t * per, hi = lo + per < n ? lo + per : n;
+        if (lo < hi) adam_range(bf16, p, g, m, v, lo, hi, &h);
+    }
+}
+
+/* The pool (the default): persistent pthreads that sleep between calls; a call hands them the
+   tile as chunks of CHUNK elements claimed from an atomic counter, so a thread that is preempted
+   (the training thread runs beside the step) takes fewer chunks instead of holding up the tile.
+   The caller works too and returns when every chunk is done. No Python and no GIL inside: a
+   busy Python thread cannot delay the hand-offs. */
+#define CHUNK 32768
+#define MAX_THREADS 1024
+
+static struct {
+    pthread_mutex_t mu;
+    pthread_cond_t start, done;
+    pthread_mutex_t call;         /* one call at a time (two engines' workers may call at once) */
+    int size;                     /* pool threads made */
+    int want;                     /* of them, how many take part in the current call */
+    int64_t generation, finished;
+    int bf16;
+    void *p, *m, *v;
+    const void *g;
+    int64_t n;
+    hyper_t h;
+    int64_t next;                 /* the next chunk to claim (atomic) */
+    int cores[MAX_THREADS];
+    int ncores;
+} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, PTHREAD_COND_INITIALIZER,
+          PTHREAD_MUTEX_INITIALIZER};
+
+/* A fork child has only the forking thread: none of the pool's, and mutexes and condition
+   variables in whatever state the parent's threads left them (a broadcast would wait for a
+   waiter that is not there). Start the child with a fresh, empty pool. */
+static void child_after_fork(void) {
+    pthread_mutex_init(&pool.mu, NULL);
+    pthread_mutex_init(&pool.call, NULL);
+    pthread_cond_init(&pool.start, NULL);
+    pthread_cond_init(&pool.done, NULL);
+    pool.size = 0;
+    pool.generation = 0;
+}
+
+__attribute__((constructor)) static void register_fork_handler(void) {
+    pthread_atfork(NULL, NULL, child_after_fork);
+}
+
+static void run_chunks(void) {
+    int64_t chunks = (pool.n + CHUNK - 1) / CHUNK;
+    for (;;) {
+        int64_t c = __atomic_fetch_add(&pool.next, 1, __ATOMIC_RELAXED);
+        if (c >= chunks) return;
+        int64_t lo = c * CHUNK, hi = lo + CHUNK < pool.n ? lo + CHUNK : pool.n;
+        adam_range(pool.bf16, pool.p, pool.g, pool.m, pool.v, lo, hi, &pool.h);
+    }
+}
+
+static void *pool_thread(void *arg) {
+    int index = (int)(intptr_t)arg;
+    if (index < pool.ncores) {
+        cpu_set_t set;
+        CPU_ZERO(&set);
+        CPU_SET(pool.cores[index], &set);
+        pthread_setaffinity_np(pthread_self(), sizeof set, &set);
+    }
+    int64_t seen = 0;
+    pthread_mutex_lock(&pool.mu);
+    for (;;) {
+        while (pool.generation == seen) pthread_cond_wait(&pool.start, &pool.mu);
+        seen = pool.generation;
+        int takes_part = index < pool.want;
+        pthread_mutex_unlock(&pool.mu);
+        if (takes_part) run_chunks();
+        pthread_mutex_lock(&pool.mu);
+        if (takes_part && ++pool.finished == pool.want) pthread_cond_signal(&pool.done);
+    }
+    return NULL;
+}
+
+/* Pin the pool's threads made from now on to these cores, one each (ZERORUN_CPU_PIN). */
+void zerorun_pool_pin(const int *cores, int ncores) {
+    pthread_mutex_lock(&pool.mu);
+    pool.ncores = ncores < MAX_THREADS ? ncores : MAX_THREADS;
+    for (int i = 0; i < pool.ncores; ++i) pool.cores[i] = cores[i];
+    pthread_mutex_unlock(&pool.mu);
+}
+
+/* Returns 0, or -1 when the pool's threads could not be made (the caller did the whole tile). */
+int zerorun_adam_pool(int bf16, void *p, const void *g, void *m, void *v, int64_t n,
+                      float one_minus_beta1, float beta2, float one_minus_beta2, float eps,
+                      float weight_decay, float decay, int mode, int maximize, float step_size,
+                      float bias_correction2_sqrt, int threads) {
+    int rc = 0;
+    pthread_mutex_lock(&pool.call);
+    pthread_mutex_lock(&pool.mu);
+    int helpers = threads - 1 < MAX_THREADS ? threads - 1 : MAX_THREADS;
+    while (pool.size < helpers) {
+        pthread_t t;
+        if (pthread_create(&t, NULL, pool_thread, (void *)(intptr_t)pool.size) != 0) { rc = -1; break; }
+        pthread_detach(t);
+        pool.size++;
+    }
+    if (helpers > pool.size) helpers = pool.size;
+    pool.bf16 = bf16; pool.p = p; pool.g = g; pool.m = m; pool.v = v; pool.n = n;
+    fill_hyper(&pool.h, one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay, decay, mode,
+               maximize, step_size, bias_correction2_sqrt);
+    pool.next = 0;
+    pool.want = helpers;
+    pool.finished = 0;
+    pool.generation++;
+    pthread_cond_broadcast(&pool.start);
+    pthread_mutex_unlock(&pool.mu);
+    run_chunks();
+    pthread_mutex_lock(&pool.mu);
+    while (pool.finished < pool.want) pthread_cond_wait(&pool.done, &pool.mu);
+    pthread_mutex_unlock(&pool.mu);
+    pthread_mutex_unlock(&pool.call);
+    return rc;
+}
 """
 
-_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC"]
+_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fopenmp", "-pthread", "-shared", "-fPIC"]
 _MIN_SPLIT = 1 << 16  # elements: below this one thread does the whole call
 _lock = threading.Lock()
 
@@ -99,21 +265,19 @@ class AdamKernel:
     def __init__(self, lib: ctypes.CDLL, path: Path) -> None:
         self.path = path
         f, i64, i32, ptr = ctypes.c_float, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
-        self._fns: dict[torch.dtype, Any] = {}
-        for dtype, fn in ((torch.bfloat16, lib.zerorun_adam_bf16_grad), (torch.float32, lib.zerorun_adam_f32_grad)):
-            fn.argtypes = [ptr, ptr, ptr, ptr, i64, f, f, f, f, f, f, i32, i32, f, f, i32]
-            fn.restype = None
-            self._fns[dtype] = fn
-        # How the elements are split across cores: "omp" -- one OpenMP region per call (the
-        # team belongs to the calling thread); "threads" -- a persistent pool of Python threads,
-        # each running a contiguous chunk single-threaded (ctypes releases the GIL), which never
-        # spin between calls. ZERORUN_CPU_KERNEL=omp|threads picks one (benchmarks).
+        args: list[Any] = [i32, ptr, ptr, ptr, ptr, i64, f, f, f, f, f, f, i32, i32, f, f, i32]
+        self._omp, self._pool = lib.zerorun_adam_omp, lib.zerorun_adam_pool
+        self._omp.argtypes, self._omp.restype = args, None
+        self._pool.argtypes, self._pool.restype = args, i32
+        # How the elements are split across cores: "threads" (the default) -- zerorun's pool of
+        # C threads, chunks claimed dynamically; "omp" -- one OpenMP region per call, a static
+        # split (the team belongs to the calling thread). ZERORUN_CPU_KERNEL=omp|threads.
         mode = os.environ.get("ZERORUN_CPU_KERNEL", "threads")
         self.mode = mode if mode in ("omp", "threads") else "threads"
-        # One pool per size, kept for the process (two engines' workers may call at once; a
-        # pool is never shut down under a caller).
-        self._pools: dict[int, ThreadPoolExecutor] = {}
-        self._pools_lock = threading.Lock()
+        cores = pool_cores(cores_per_rank() - 1)
+        if cores:
+            lib.zerorun_pool_pin((ctypes.c_int * len(cores))(*cores), len(cores))
+        self.pinned = cores
 
     def step(
         self,
@@ -133,8 +297,7 @@ class AdamKernel:
         threads: int,
     ) -> None:
         n = p.numel()
-        fn = self._fns.get(g.dtype)
-        if fn is None:
+        if g.dtype not in (torch.bfloat16, torch.float32):
             raise ValueError(f"adam kernel: the gradient must be bfloat16 or float32, got {g.dtype}")
         for t, dtype in ((p, torch.float32), (g, g.dtype), (exp_avg, torch.float32), (exp_avg_sq, torch.float32)):
             if t.dtype != dtype or t.device.type != "cpu" or not t.is_contiguous() or t.numel() != n:
@@ -142,7 +305,17 @@ class AdamKernel:
         # The bias corrections in double, as torch's kernel computes them.
         bias_correction1 = 1.0 - beta1**step
         bias_correction2_sqrt = (1.0 - beta2**step) ** 0.5
-        args = (
+        threads = max(1, threads) if n >= _MIN_SPLIT else 1
+        # ctypes releases the GIL for the call: one release and one re-acquire per tile, however
+        # many threads share it (a Python pool needed a few per thread, each waiting for a busy
+        # training thread to yield the GIL: 19x slower on the H200, host_pages_ab "busy").
+        (self._omp if self.mode == "omp" else self._pool)(
+            1 if g.dtype == torch.bfloat16 else 0,
+            p.data_ptr(),
+            g.data_ptr(),
+            exp_avg.data_ptr(),
+            exp_avg_sq.data_ptr(),
+            n,
             1.0 - beta1,
             beta2,
             1.0 - beta2,
@@ -153,61 +326,25 @@ class AdamKernel:
             1 if maximize else 0,
             lr / bias_correction1,
             bias_correction2_sqrt,
+            threads,
         )
-        ptrs = (p.data_ptr(), g.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr())
-        gsize = g.element_size()
-        threads = max(1, threads)
-        if self.mode == "omp" or threads == 1 or n < _MIN_SPLIT:
-            fn(*ptrs, n, *args, threads if self.mode == "omp" else 1)
-            return
-        # Chunks of whole cache lines (16 floats), one per thread; the caller runs the first.
-        per = (-(-n // threads) + 15) // 16 * 16
-        bounds = [(a, min(a + per, n)) for a in range(0, n, per)]
-        pool = self._threads(threads - 1)
-
-        def run(a: int, b: int) -> None:
-            fn(ptrs[0] + 4 * a, ptrs[1] + gsize * a, ptrs[2] + 4 * a, ptrs[3] + 4 * a, b - a, *args, 1)
-
-        futures = [pool.submit(run, a, b) for a, b in bounds[1:]]
-        run(*bounds[0])
-        for f in futures:
-            f.result()
-
-    def _threads(self, size: int) -> ThreadPoolExecutor:
-        with self._pools_lock:
-            pool = self._pools.get(size)
-            if pool is None:
-                cores = pool_cores(size)
-                init = None if cores is None else functools.partial(_pin_thread, iter(cores), threading.Lock())
-                pool = self._pools[size] = ThreadPoolExecutor(size, thread_name_prefix="zerorun-adam", initializer=init)
-            return pool
 
 
 def pool_cores(size: int) -> list[int] | None:
-    """The cores a pool of ``size`` threads is pinned to, one each (``ZERORUN_CPU_PIN=1``): the
-    last ``size`` of the cores this process may use, so the first stay with the threads that
-    are not pinned (the caller, which runs a chunk itself, and the training thread). None when
-    pinning is off, or when this process may not use more cores than the pool (nothing to
-    keep apart) -- or when it shares its cores with other ranks on the node (LOCAL_WORLD_SIZE
-    above 1 and no affinity of its own): two ranks' pools would be pinned to the same cores."""
-    if os.environ.get("ZERORUN_CPU_PIN", "0") != "1" or not hasattr(os, "sched_getaffinity"):
+    """The cores the pool's ``size`` threads are pinned to, one each (``ZERORUN_CPU_PIN=1``; off
+    by default: on the H200 host pinning made the step slower, host_pages_ab): the last ``size``
+    of the cores this process may use, so the first stays with the threads that are not pinned
+    (the caller, which works on the tile too, and the training thread). None when pinning is
+    off, when this process may not use more cores than the pool (nothing to keep apart), or when
+    it shares its cores with other ranks on the node (LOCAL_WORLD_SIZE above 1 and no affinity
+    of its own): two ranks' pools would be pinned to the same cores."""
+    if os.environ.get("ZERORUN_CPU_PIN", "0") != "1" or not hasattr(os, "sched_getaffinity") or size < 1:
         return None
     allowed = sorted(os.sched_getaffinity(0))
     local = os.environ.get("LOCAL_WORLD_SIZE", "1")
     if len(allowed) <= size or (local not in ("", "1") and len(allowed) >= (os.cpu_count() or 0)):
         return None
     return allowed[-size:]
-
-
-def _pin_thread(cores: Any, lock: threading.Lock) -> None:
-    """Pool thread initializer: this thread (pid 0: the caller) on the next core of ``cores``."""
-    with lock:
-        core = next(cores, None)
-    if core is not None:
-        try:
-            os.sched_setaffinity(0, {core})
-        except OSError:
-            pass
 
 
 def _cache_dir() -> Path:
