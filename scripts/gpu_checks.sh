@@ -90,9 +90,10 @@ run offload_units 40 "${PYTEST[@]}" tests/runtime/test_offload_units.py tests/ru
   --junitxml="$OUT/offload_units.xml"
 # 2b''. bf16 gradients on the wire (options.narrow_grads): cast on the GPU, copied down as bf16,
 #      stepped by the one-pass CPU kernel (built here with the host's compiler) -- bitwise the same
-#      training as fp32 gradients with torch's kernel, stages 1-3, parameter offload, delayed update.
+#      training as fp32 gradients with torch's kernel, stages 1-3, parameter offload, delayed update;
+#      the kernel's C thread pool (pinned, and after a fork).
 run offload_narrow 60 env ZERORUN_BACKEND=nccl \
-  "${PYTEST[@]}" tests/runtime/test_offload_narrow.py \
+  "${PYTEST[@]}" tests/runtime/test_offload_narrow.py tests/runtime/test_cpu_kernel_pin.py \
   --junitxml="$OUT/offload_narrow.xml"
 # 2b'. the exact step's deferred write-backs (issue 17): the next forward starts on the buffers it
 #      needs first while the CPU steps the rest -- the order proved with the placement's own events
