@@ -6,8 +6,9 @@ host memory. This benchmark times zerorun's CPU kernel (``runtime/offload/cpu_ke
 round, on buffers allocated the way offload allocates them (``host.mapped_empty``):
 
 * ``pages``: 4 KB pages, or transparent huge pages (2 MB, ``MADV_HUGEPAGE``: ``ZERORUN_HUGEPAGES``);
-* ``pin``: the pool's threads free, or each pinned to a core of its own (``ZERORUN_CPU_PIN=1``
-  in this process's environment: the pool's threads are made, and pinned, once per process);
+* ``pin``: the pool's threads each pinned to a core of its own (the default), or free
+  (``ZERORUN_CPU_PIN=0`` in this process's environment: the pool's threads are made, and
+  pinned, once per process);
 * ``load``: the step alone; beside a Python thread that keeps the GIL busy (the training thread
   launching the next forward); beside pinned host->device copies from a large buffer (the
   parameter write-backs: every byte from DRAM) or from a small one that stays in the last-level
@@ -16,8 +17,8 @@ round, on buffers allocated the way offload allocates them (``host.mapped_empty`
 It also records the machine's THP policy, the CPU and its last-level cache, and how much of each
 allocation the kernel backed with huge pages (``AnonHugePages`` of the mapping).
 
-    python benchmarks/host_pages_ab.py --numel 268435456 --out results.json
-    ZERORUN_CPU_PIN=1 python benchmarks/host_pages_ab.py --numel 268435456 --out pinned.json
+    python benchmarks/host_pages_ab.py --numel 268435456 --out pinned.json
+    ZERORUN_CPU_PIN=0 python benchmarks/host_pages_ab.py --numel 268435456 --out free.json
 """
 
 from __future__ import annotations

@@ -16,8 +16,12 @@ from zerorun.runtime.offload import cpu_kernel
 pytestmark = pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="Linux affinity")
 
 
-def test_off_unless_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_on_unless_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     monkeypatch.delenv("ZERORUN_CPU_PIN", raising=False)
+    allowed = sorted(os.sched_getaffinity(0))
+    assert cpu_kernel.pool_cores(1) == (allowed[-1:] if len(allowed) > 1 else None)
+    monkeypatch.setenv("ZERORUN_CPU_PIN", "0")
     assert cpu_kernel.pool_cores(1) is None
 
 
