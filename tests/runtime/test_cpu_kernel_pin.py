@@ -35,12 +35,32 @@ def test_the_last_cores_and_none_when_nothing_is_left(monkeypatch: pytest.Monkey
     assert cpu_kernel.pool_cores(len(allowed)) is None  # the caller would share a pinned core
 
 
-def test_ranks_sharing_the_node_s_cores_are_not_pinned(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_ranks_sharing_the_node_s_cores_pin_to_disjoint_slices(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Four ranks on a 16-core node with no affinity of their own (zerorun's launcher): each pins
+    its pool to the last 3 of its 4 consecutive cores; no core is in two pools, and each slice's
+    first core stays free."""
     monkeypatch.setenv("ZERORUN_CPU_PIN", "1")
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    if len(os.sched_getaffinity(0)) < (os.cpu_count() or 0):
-        pytest.skip("this process already has an affinity of its own")
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    pools = []
+    for rank in range(4):
+        monkeypatch.setenv("LOCAL_RANK", str(rank))
+        pools.append(cpu_kernel.pool_cores(3))
+    assert pools == [[1, 2, 3], [5, 6, 7], [9, 10, 11], [13, 14, 15]]
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert cpu_kernel.pool_cores(4) is None  # a pool as large as the slice: no core left free
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "16")  # one core per rank: nothing to pin
     assert cpu_kernel.pool_cores(1) is None
+
+
+def test_a_rank_with_its_own_affinity_pins_inside_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ZERORUN_CPU_PIN", "1")
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {8, 9, 10, 11})  # e.g. srun --cpu-bind
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    assert cpu_kernel.pool_cores(3) == [9, 10, 11]
 
 
 _CHILD = r"""

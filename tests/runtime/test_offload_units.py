@@ -14,7 +14,7 @@ from zerorun.config import load_config
 from zerorun.errors import ConfigError
 from zerorun.runtime.offload import adam, nvme
 from zerorun.runtime.offload.host import tiles
-from zerorun.runtime.offload.options import cores_per_rank, options_from_settings
+from zerorun.runtime.offload.options import cores_per_rank, options_from_settings, rank_cores
 from zerorun.runtime.settings import RuntimeSettings, settings_from_config
 
 
@@ -70,8 +70,13 @@ def test_offload_below_its_stage_reads_none() -> None:
 
 def test_cpu_threads_share_the_cores(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(16)), raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
-    assert cores_per_rank() == 4
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert cores_per_rank() == 4 and rank_cores() == [4, 5, 6, 7]  # the node's cores, shared: a slice
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {8, 9, 10, 11, 12, 13}, raising=False)
+    assert rank_cores() == [8, 9, 10, 11, 12, 13]  # an affinity of its own (srun --cpu-bind): all of it
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(16)), raising=False)
     o = options_from_settings(_settings({"stage": 2, "offload_optimizer": {"device": "cpu"}}))
     assert o.step_threads() == 4 and not o.early_start  # clipping: the step waits for the norm
     o = options_from_settings(_settings({"stage": 2, "offload_optimizer": {"device": "cpu"}}, clip=0.0))

@@ -111,8 +111,8 @@ class ZerorunSection(Section):
     )
     offload_cpu_threads: Count = field(
         0,
-        "Threads of the CPU optimizer step per rank with optimizer offload; 0: the cores this process may use "
-        "divided by the ranks on its node (one fewer when the step overlaps the training loop -- `delayed_param_update`, "
-        "or no clipping -- leaving it a core).",
+        "Threads of the CPU optimizer step per rank with optimizer offload; 0: the rank's cores -- its own affinity "
+        "(a scheduler's binding), or the node's cores divided by its ranks when they share them (one fewer when the "
+        "step overlaps the training loop -- `delayed_param_update`, or no clipping -- leaving it a core).",
         ge=0,
     )

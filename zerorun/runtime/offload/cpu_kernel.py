@@ -47,7 +47,7 @@ from typing import Any
 
 import torch
 
-from zerorun.runtime.offload.options import cores_per_rank
+from zerorun.runtime.offload.options import cores_per_rank, rank_cores
 
 __all__ = ["AdamKernel", "load", "reset", "pool_cores", "SOURCE"]
 
@@ -333,22 +333,21 @@ class AdamKernel:
 
 def pool_cores(size: int) -> list[int] | None:
     """The cores the pool's ``size`` threads are pinned to, one each (``ZERORUN_CPU_PIN``, on
-    unless ``0``): the last ``size`` of the cores this process may use, so the first stays with
-    the threads that are not pinned (the training thread; the caller, which works on the tile
-    too, floats). On the H200 host the pinned pool stepped 5.2 G elements/s against 4.2 free, and
+    unless ``0``): the last ``size`` of the cores this rank may use, so the first stays with the
+    threads that are not pinned (the training thread; the caller, which works on the tile too,
+    floats). On the H200 host the pinned pool stepped 5.2 G elements/s against 4.2 free, and
     the 1.3B exact offload rows went from 0.71x to 0.90x (benchmarks/results/gpu_runs/
     20261202T0050Z-h200-086ac92); free threads migrate onto the core the training thread
-    needs, and a chunk's cache lines with them. None when pinning is off, when this process
-    may not use more cores than the pool (nothing to keep apart), or when it shares its cores
-    with other ranks on the node (LOCAL_WORLD_SIZE above 1 and no affinity of its own): two
-    ranks' pools would be pinned to the same cores."""
-    if os.environ.get("ZERORUN_CPU_PIN", "1") == "0" or not hasattr(os, "sched_getaffinity") or size < 1:
+    needs, and a chunk's cache lines with them.
+
+    The cores this rank may use are ``options.rank_cores``: its own affinity, or, where the
+    ranks of a node share the node's cores (zerorun's launcher), its slice of them, so that two
+    ranks' pools never share a core. None when pinning is off, or when the rank has no core to
+    spare for the threads that are not pinned."""
+    if os.environ.get("ZERORUN_CPU_PIN", "1") == "0" or size < 1:
         return None
-    allowed = sorted(os.sched_getaffinity(0))
-    local = os.environ.get("LOCAL_WORLD_SIZE", "1")
-    if len(allowed) <= size or (local not in ("", "1") and len(allowed) >= (os.cpu_count() or 0)):
-        return None
-    return allowed[-size:]
+    cores = rank_cores()
+    return cores[-size:] if len(cores) > size else None
 
 
 def _cache_dir() -> Path:

@@ -12,7 +12,7 @@ import torch
 
 from zerorun.runtime.settings import OffloadSettings, RuntimeSettings
 
-__all__ = ["OffloadOptions", "options_from_settings", "grads_are_bf16", "cores_per_rank", "PIPELINE_TILE"]
+__all__ = ["OffloadOptions", "options_from_settings", "grads_are_bf16", "cores_per_rank", "rank_cores", "PIPELINE_TILE"]
 
 # Elements per tile of the CPU pipeline (D2H of gradients | CPU step | H2D of parameters): small
 # enough that the first copy and the last one are short next to the step (16M fp32 = 64 MB),
@@ -58,16 +58,29 @@ class OffloadOptions(OffloadSettings):
         return max(1, n - 1) if overlaps and n > 2 else n
 
 
-def cores_per_rank() -> int:
+def rank_cores() -> list[int]:
+    """The cores this rank's CPU work may use: its affinity when it has one of its own (a
+    scheduler's CPU binding, taskset); when the ranks of a node all share the node's cores
+    (LOCAL_WORLD_SIZE above 1 and an affinity of the whole machine: zerorun's launcher), its
+    slice of them -- LOCAL_RANK's ``cores // ranks`` consecutive cores, at least one."""
     try:
-        cores = len(os.sched_getaffinity(0))
+        allowed = sorted(os.sched_getaffinity(0))
     except (AttributeError, OSError):
-        cores = os.cpu_count() or 1
+        allowed = list(range(os.cpu_count() or 1))
     try:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+        rank = int(os.environ.get("LOCAL_RANK", "0") or 0)
     except ValueError:
-        local = 1
-    return max(1, cores // max(local, 1))
+        local, rank = 1, 0
+    if local > 1 and len(allowed) >= (os.cpu_count() or 0):
+        k = max(1, len(allowed) // local)
+        rank = min(max(rank, 0), local - 1)
+        return allowed[rank * k : (rank + 1) * k] or allowed[:1]
+    return allowed
+
+
+def cores_per_rank() -> int:
+    return len(rank_cores())
 
 
 def grads_are_bf16(settings: RuntimeSettings) -> bool:
