@@ -30,11 +30,8 @@ class CpuPlacement(HostPlacement):
         return master
 
     def _state_tensor(self, index: int, key: str) -> torch.Tensor:
-        master = self.masters[index]
-        if master.device.type != "cpu":  # Twin-Flow's device part (offload_optimizer.ratio)
-            return torch.zeros_like(master)
         # m and v: lasting, never copied (not pinned), streamed by every step (huge pages)
-        return host_empty(master.numel(), torch.float32, pin=False, lasting=True).zero_()
+        return host_empty(self.masters[index].numel(), torch.float32, pin=False, lasting=True).zero_()
 
     def _tile_views(self, job: StepJob, indices: list[int]) -> Iterator[TileView]:
         for i in indices:

@@ -221,18 +221,17 @@ void zerorun_pool_pin(const int *cores, int ncores) {
     pthread_mutex_unlock(&pool.mu);
 }
 
-/* Returns 0, or -1 when the pool's threads could not be made (the caller did the whole tile). */
-int zerorun_adam_pool(int bf16, void *p, const void *g, void *m, void *v, int64_t n,
+/* A thread that cannot be made is simply not there: the caller and the others take its chunks. */
+void zerorun_adam_pool(int bf16, void *p, const void *g, void *m, void *v, int64_t n,
                       float one_minus_beta1, float beta2, float one_minus_beta2, float eps,
                       float weight_decay, float decay, int mode, int maximize, float step_size,
                       float bias_correction2_sqrt, int threads) {
-    int rc = 0;
     pthread_mutex_lock(&pool.call);
     pthread_mutex_lock(&pool.mu);
     int helpers = threads - 1 < MAX_THREADS ? threads - 1 : MAX_THREADS;
     while (pool.size < helpers) {
         pthread_t t;
-        if (pthread_create(&t, NULL, pool_thread, (void *)(intptr_t)pool.size) != 0) { rc = -1; break; }
+        if (pthread_create(&t, NULL, pool_thread, (void *)(intptr_t)pool.size) != 0) break;
         pthread_detach(t);
         pool.size++;
     }
@@ -251,7 +250,6 @@ int zerorun_adam_pool(int bf16, void *p, const void *g, void *m, void *v, int64_
     while (pool.finished < pool.want) pthread_cond_wait(&pool.done, &pool.mu);
     pthread_mutex_unlock(&pool.mu);
     pthread_mutex_unlock(&pool.call);
-    return rc;
 }
 """
 
@@ -268,8 +266,8 @@ class AdamKernel:
         f, i64, i32, ptr = ctypes.c_float, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
         args: list[Any] = [i32, ptr, ptr, ptr, ptr, i64, f, f, f, f, f, f, i32, i32, f, f, i32]
         self._omp, self._pool = lib.zerorun_adam_omp, lib.zerorun_adam_pool
-        self._omp.argtypes, self._omp.restype = args, None
-        self._pool.argtypes, self._pool.restype = args, i32
+        for fn in (self._omp, self._pool):
+            fn.argtypes, fn.restype = args, None
         # How the elements are split across cores: "threads" (the default) -- zerorun's pool of
         # C threads, chunks claimed dynamically; "omp" -- one OpenMP region per call, a static
         # split (the team belongs to the calling thread). ZERORUN_CPU_KERNEL=omp|threads.
@@ -337,8 +335,8 @@ def pool_cores(size: int) -> list[int] | None:
     threads that are not pinned (the training thread; the caller, which works on the tile too,
     floats). On the H200 host the pinned pool stepped 5.2 G elements/s against 4.2 free, and
     the 1.3B exact offload rows went from 0.71x to 0.90x (benchmarks/results/gpu_runs/
-    20261202T0050Z-h200-086ac92); free threads migrate onto the core the training thread
-    needs, and a chunk's cache lines with them.
+    20261202T0050Z-h200-086ac92) -- presumably because free threads migrate onto the core the
+    training thread needs, and a chunk's cache lines with them (not measured).
 
     The cores this rank may use are ``options.rank_cores``: its own affinity, or, where the
     ranks of a node share the node's cores (zerorun's launcher), its slice of them, so that two

@@ -94,8 +94,7 @@ def mapped_empty(numel: int, dtype: torch.dtype, *, huge: bool) -> tuple[mmap.mm
     size = -(-size // mmap.PAGESIZE) * mmap.PAGESIZE
     # Private: a bare mmap.mmap(-1, n) is MAP_SHARED, i.e. shmem, which THP leaves alone
     # (shmem_enabled, "never" by default).
-    flags = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
-    buf = _RegisteredBuffer(-1, size + (_HUGE if huge else 0), flags=flags) if flags else _RegisteredBuffer(-1, size)
+    buf = _RegisteredBuffer(-1, size + (_HUGE if huge else 0), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     offset = 0
     if huge:
         base = torch.frombuffer(buf, dtype=torch.uint8, count=1).data_ptr()

@@ -502,7 +502,10 @@ class HostPlacement(EarlyStep):
                 job.states.append(None)
                 continue
             h = hyper_of(optimizer, group)
-            state = ensure_state(optimizer, m, h, make=lambda key, i=i: self._state_tensor(i, key))
+            # A Twin-Flow master on the device keeps torch's own states beside it (zeros_like);
+            # the host ones are the subclass's storage.
+            make = None if self.on_device[i] else (lambda key, i=i: self._state_tensor(i, key))
+            state = ensure_state(optimizer, m, h, make=make)
             state["step"] += 1
             job.hypers.append(h)
             job.states.append(state)
